@@ -1,0 +1,91 @@
+"""Nox sessions: each package alone, all packages together, lint, quickstart, benchmarks.
+
+`nox -t ci` is what CI runs (the README's test command). Every environment gets the CPU torch
+build first, so no resolver ever reaches for a multi-GB CUDA wheel.
+"""
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["molt-algos", "molt-capture", "molt-rollout", "molt-train"]
+# The CPU build; on these machines its wheel lies in pip's local find-links folder.
+TORCH_CPU = "torch==2.13.0+cpu"
+# Packages whose dependency closure includes torch (directly or through a sibling).
+NEEDS_TORCH = {"molt-algos", "molt-train"}
+# What each package may pull in, by top-level name; check_isolation.py enforces it.
+ALLOWED_DEPS = {
+    "molt-algos": ["torch", "numpy"],
+    "molt-capture": ["fastapi", "uvicorn", "httpx", "transformers"],
+}
+PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+
+
+def implemented(package: str) -> bool:
+    """A package exists as code once its src/ directory does; until then it is a placeholder."""
+    return (ROOT / "packages" / package / "src").is_dir()
+
+
+def install_package(session: nox.Session, package: str, extras: str = "") -> None:
+    path = f"./packages/{package}"
+    session.install(f"{path}[{extras}]" if extras else path)
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package alone in a fresh environment: its declared dependencies, then its tests."""
+    if not implemented(package):
+        session.log(f"{package} has no code yet: nothing to install or test")
+        return
+    if package in NEEDS_TORCH:
+        session.install(TORCH_CPU)
+    install_package(session, package)
+    if package in ALLOWED_DEPS:
+        session.run("python", ".ci/check_isolation.py", package, *ALLOWED_DEPS[package])
+    install_package(session, package, "test")
+    session.run(
+        "pytest", f"packages/{package}/tests", *session.posargs,
+        success_codes=[0, PYTEST_NO_TESTS],
+    )
+
+
+@nox.session(tags=["ci"])
+def all(session: nox.Session) -> None:
+    """Every implemented package in one environment; every test including tests_integration/."""
+    session.install(TORCH_CPU)
+    for package in PACKAGES:
+        if implemented(package):
+            install_package(session, package, "test")
+    test_dirs = [f"packages/{p}/tests" for p in PACKAGES if implemented(p)]
+    session.run(
+        "pytest", *test_dirs, "tests_integration", *session.posargs,
+        success_codes=[0, PYTEST_NO_TESTS],
+    )
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def quickstart(session: nox.Session) -> None:
+    """Until molt-train lands: advantages and a policy loss on a toy batch, printed."""
+    session.install(TORCH_CPU)
+    install_package(session, "molt-algos")
+    session.run("python", "recipes/algos_demo.py")
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """Side-by-side measurements; copy the printed tables into docs/benchmarks.md."""
+    session.install(TORCH_CPU)
+    install_package(session, "molt-algos")
+    session.run("python", "benchmarks/algos_logprob.py", *session.posargs)
