@@ -1,0 +1,304 @@
+"""Per-token log-probabilities and entropy without full-vocabulary float32 tensors.
+
+For token t with hidden state h_t, LM-head weight W [V, H], target y_t and temperature τ:
+
+    z_t   = (W h_t) / τ                 logits of the sampling distribution, in float32 (or 64)
+    lse_t = log Σ_v exp(z_tv)
+    lp_t  = z_t,y_t − lse_t             log π(y_t)
+    H_t   = −Σ_v p_tv log p_tv          entropy, with p_t = softmax(z_t)
+
+These are the log-probabilities of the temperature-scaled distribution, the one the rollout
+engine samples from (vLLM's processed logprobs). A naive implementation holds z for the whole
+batch in float32, T·V·4 bytes (5 GB at T = 8192, V = 151,936), and autograd keeps several
+tensors of that size for the backward pass. Here the forward pass walks the tokens in blocks of
+`chunk_size` rows and keeps only lse, lp and H per token; the backward pass recomputes the logits
+block by block from the saved inputs. Logits are produced in the input dtype (as the model's own
+matmul would) and upcast to float32 one block at a time.
+
+Gradients, with g_t and e_t the upstream gradients of lp_t and H_t:
+
+    ∂lp_t/∂z_tv = 1[v = y_t] − p_tv
+    ∂H_t/∂z_tv  = −p_tv (log p_tv + H_t)
+    ∂L/∂logits_tv = (g_t (1[v = y_t] − p_tv) − e_t p_tv (log p_tv + H_t)) / τ
+
+and from there ∂L/∂h = (∂L/∂logits) W and ∂L/∂W = (∂L/∂logits)ᵀ h. Target ids must lie in
+[0, V); masking padded or prompt tokens is the caller's job (pass any valid id there and mask the
+result). These functions return tensors only: per-token values have no batch summary that is
+meaningful without the loss mask, so metrics such as mean entropy belong to the aggregation step.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+# Tokens per block. At V = 151,936 one float32 block of logits is 1024 · V · 4 B ≈ 0.6 GB.
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def token_logprobs_and_entropy(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log π(y_t) and entropy H_t of softmax(W h_t / τ) for each token, computed in blocks.
+
+    Args:
+        hidden: [..., H] final hidden states (after the last norm), any float dtype.
+        lm_head_weight: [V, H] output projection, same dtype and device as `hidden`.
+        target_ids: [...] token ids in [0, V), same leading shape as `hidden`.
+        temperature: τ > 0 that divides the logits.
+        chunk_size: tokens per forward block; the backward pass walks the vocabulary in slices
+            holding about the same number of logits (chunk_size · V / T columns for all T rows).
+        compute_entropy: when False, skip the entropy and return None in its place.
+
+    Returns:
+        (logprobs, entropy), float32 (float64 for float64 input) with shape [...]. Both carry gradients to `hidden` and
+        `lm_head_weight` (whichever require them); the gradient of the weight is computed in one
+        matmul per vocabulary slice, so it is rounded to the weight's dtype once, like autograd's.
+    """
+    _check_temperature_and_chunk(temperature, chunk_size)
+    if hidden.shape[-1] != lm_head_weight.shape[1] or lm_head_weight.dim() != 2:
+        raise ValueError(
+            f"hidden [..., {hidden.shape[-1]}] does not match lm_head_weight "
+            f"{list(lm_head_weight.shape)} (expected [V, H])"
+        )
+    if hidden.dtype != lm_head_weight.dtype:
+        raise ValueError(f"dtype mismatch: hidden {hidden.dtype}, weight {lm_head_weight.dtype}")
+    if target_ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"target_ids {list(target_ids.shape)} vs hidden {list(hidden.shape)}")
+
+    leading = target_ids.shape
+    outputs = _HiddenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        lm_head_weight,
+        target_ids.reshape(-1).long(),
+        float(temperature),
+        int(chunk_size),
+        compute_entropy,
+    )
+    return _shape_outputs(outputs, leading, compute_entropy)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    target_ids: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log π(y_t) and entropy H_t of softmax(logits_t / τ), upcasting one block at a time.
+
+    For callers that already hold the logits (in bf16, say): no float32 copy of the whole
+    [..., V] tensor is ever made. The gradient of `logits` has its shape and dtype, as it would
+    with autograd.
+
+    Args:
+        logits: [..., V] raw logits, any float dtype.
+        target_ids: [...] token ids in [0, V).
+        temperature: τ > 0 that divides the logits.
+        chunk_size: tokens per block, in both the forward and the backward pass.
+        compute_entropy: when False, skip the entropy and return None in its place.
+
+    Returns:
+        (logprobs, entropy), float32 (float64 for float64 input) with shape [...].
+    """
+    _check_temperature_and_chunk(temperature, chunk_size)
+    if target_ids.shape != logits.shape[:-1]:
+        raise ValueError(f"target_ids {list(target_ids.shape)} vs logits {list(logits.shape)}")
+
+    leading = target_ids.shape
+    outputs = _LogitsLogprobs.apply(
+        logits.reshape(-1, logits.shape[-1]),
+        target_ids.reshape(-1).long(),
+        float(temperature),
+        int(chunk_size),
+        compute_entropy,
+    )
+    return _shape_outputs(outputs, leading, compute_entropy)
+
+
+def _check_temperature_and_chunk(temperature: float, chunk_size: int) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _shape_outputs(
+    outputs: Tensor | tuple[Tensor, Tensor], leading: torch.Size, compute_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    if compute_entropy:
+        logprobs, entropy = outputs
+        return logprobs.view(leading), entropy.view(leading)
+    return outputs.view(leading), None
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float32, or float64 for float64 input: never below float32, never a downcast."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _stats_of_block(
+    z: Tensor, targets: Tensor, compute_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(lse, log p of the targets, entropy) of a float32 block of scaled logits z [N, V].
+
+    z is scratch: it is overwritten with log p.
+    """
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.sub_(lse[:, None])
+    target_logp = logp.gather(1, targets[:, None]).squeeze(1)
+    entropy = None
+    if compute_entropy:
+        # H = −Σ p log p; the product is formed in place of exp(log p) to keep one extra block.
+        entropy = -logp.exp().mul_(logp).sum(dim=-1)
+    return lse, target_logp, entropy
+
+
+def _logit_grad_(
+    logp: Tensor,
+    target_cols: Tensor,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+    entropy: Tensor | None,
+    temperature: float,
+) -> Tensor:
+    """Turn a float32 block of log p [N, C] into ∂L/∂logits for the same block, in place.
+
+    `target_cols` is each row's target column within the block; rows whose target falls outside
+    the block (a vocabulary slice) carry any out-of-range value and get no one-hot term.
+    """
+    # The 1/τ of the chain rule is folded into the per-row coefficients.
+    p = logp.exp()
+    if grad_entropy is not None:
+        coefficient = (grad_entropy / temperature)[:, None]
+        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-coefficient)
+        if grad_logprobs is not None:
+            grad.addcmul_(p, (grad_logprobs / temperature)[:, None], value=-1.0)
+    else:
+        grad = p.mul_(-(grad_logprobs / temperature)[:, None])
+    if grad_logprobs is not None:
+        # One-hot term g/τ at each row's target; a where() rather than a boolean index keeps the
+        # whole step free of device-to-host syncs.
+        inside = (target_cols >= 0) & (target_cols < grad.shape[1])
+        cols = target_cols.clamp(0, max(grad.shape[1] - 1, 0))[:, None]
+        onehot = torch.where(inside, grad_logprobs / temperature, 0.0)[:, None]
+        grad.scatter_add_(1, cols, onehot.to(grad.dtype))
+    return grad
+
+
+class _HiddenLogprobs(torch.autograd.Function):
+    """Forward over token blocks; backward over vocabulary slices, recomputing the logits.
+
+    Slicing the vocabulary in the backward pass means each slice of ∂L/∂W is one complete matmul
+    over all tokens (no low-precision accumulation across blocks), while ∂L/∂h, only [T, H],
+    is accumulated in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_entropy):
+        n_tokens = hidden.shape[0]
+        lse = hidden.new_empty(n_tokens, dtype=_compute_dtype(hidden))
+        logprobs = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if compute_entropy else None
+        for start in range(0, n_tokens, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = (hidden[rows] @ weight.T).to(_compute_dtype(hidden))
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[rows], logprobs[rows], block_entropy = _stats_of_block(
+                z, targets[rows], compute_entropy
+            )
+            if compute_entropy:
+                entropy[rows] = block_entropy
+
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return (logprobs, entropy) if compute_entropy else logprobs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        # Same number of logits per slice as per forward block.
+        width = min(vocab, math.ceil(ctx.chunk_size * vocab / max(n_tokens, 1)))
+
+        grad_hidden = torch.zeros_like(hidden, dtype=lse.dtype) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        for start in range(0, vocab, width):
+            cols = slice(start, start + width)
+            z = (hidden @ weight[cols].T).to(_compute_dtype(hidden))
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            logp = z.sub_(lse[:, None])
+            grad = _logit_grad_(
+                logp, targets - start, grad_logprobs, grad_entropy, entropy, ctx.temperature
+            ).to(hidden.dtype)
+            if need_weight:
+                grad_weight[cols] = grad.T @ hidden
+            if need_hidden:
+                grad_hidden += grad @ weight[cols]
+        if need_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+class _LogitsLogprobs(torch.autograd.Function):
+    """Token blocks in both passes; only the logits themselves (the caller's) are kept."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk_size, compute_entropy):
+        n_tokens = logits.shape[0]
+        lse = logits.new_empty(n_tokens, dtype=_compute_dtype(logits))
+        logprobs = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if compute_entropy else None
+        for start in range(0, n_tokens, chunk_size):
+            rows = slice(start, start + chunk_size)
+            # A copy even for float32 input: the block is scratch, the caller's logits are not.
+            z = logits[rows].to(_compute_dtype(logits), copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[rows], logprobs[rows], block_entropy = _stats_of_block(
+                z, targets[rows], compute_entropy
+            )
+            if compute_entropy:
+                entropy[rows] = block_entropy
+
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return (logprobs, entropy) if compute_entropy else logprobs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            z = logits[rows].to(_compute_dtype(logits), copy=True)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            logp = z.sub_(lse[rows, None])
+            grad_logits[rows] = _logit_grad_(
+                logp,
+                targets[rows],
+                None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                None if entropy is None else entropy[rows],
+                ctx.temperature,
+            )
+        return grad_logits, None, None, None, None
