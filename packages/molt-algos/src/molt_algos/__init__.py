@@ -1,0 +1,80 @@
+"""molt-algos: RL estimators, losses and corrections as pure functions over torch tensors.
+
+Selected by name through plain dicts: `ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `AGGREGATIONS`,
+`KL_ESTIMATORS`. Formulas, flag values and metric names: docs/algorithms.md.
+"""
+
+from molt_algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    KL_IN_REWARD_ESTIMATORS,
+    AdvantageBatch,
+    AdvantageConfig,
+    Advantages,
+    compute_advantages,
+    validate_advantage_config,
+)
+from molt_algos.aggregation import AGGREGATIONS, aggregate
+from molt_algos.correction import (
+    IS_LEVELS,
+    IS_MODES,
+    Correction,
+    ISConfig,
+    importance_correction,
+    staleness_mask,
+    validate_is_config,
+)
+from molt_algos.filtering import GroupFilter, dynamic_group_filter, mean_pass_at_k, pass_at_k
+from molt_algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_controller,
+    kl_estimate,
+)
+from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
+from molt_algos.losses import (
+    POLICY_LOSSES,
+    LossConfig,
+    PolicyLoss,
+    validate_loss_config,
+    value_loss,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "GROUP_ESTIMATORS",
+    "IS_LEVELS",
+    "IS_MODES",
+    "KL_ESTIMATORS",
+    "KL_IN_REWARD_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageBatch",
+    "AdvantageConfig",
+    "Advantages",
+    "Correction",
+    "FixedKLController",
+    "GroupFilter",
+    "ISConfig",
+    "LossConfig",
+    "PolicyLoss",
+    "aggregate",
+    "compute_advantages",
+    "dynamic_group_filter",
+    "importance_correction",
+    "kl_controller",
+    "kl_estimate",
+    "logprobs_from_logits",
+    "mean_pass_at_k",
+    "pass_at_k",
+    "staleness_mask",
+    "token_logprobs_and_entropy",
+    "validate_advantage_config",
+    "validate_is_config",
+    "validate_loss_config",
+    "value_loss",
+]
