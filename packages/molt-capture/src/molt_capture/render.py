@@ -1,0 +1,204 @@
+"""Chat template rendering and reply parsing: the only code that turns messages into text and
+generated text back into a message.
+
+Messages here are in the Hugging Face chat-template form (the wires convert to it): role,
+content (str), optional `reasoning_content`, `tool_calls` as
+`{"type": "function", "function": {"name", "arguments": dict}}`, and `tool_call_id` on tool
+results. Replies are parsed with transformers' declarative response parser; a *parser family*
+names the response template (the markup one model family writes).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers.utils.chat_parsing import parse_response
+
+from .errors import CaptureError
+
+# Response templates (transformers' `response_template` format), one per markup family. The
+# reasoning region is named `reasoning_content`, as the chat templates name it.
+_THINK = {"open": "<think>", "close": "</think>", "content": "text"}
+# Leading whitespace before an end marker must not open an empty content region.
+_QWEN_END = {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"}
+RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
+    # Hermes-style JSON in <tool_call> tags: Qwen2.5, Qwen3 (dense and MoE), QwQ, Hermes 2/3.
+    "qwen3": {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {
+            "reasoning_content": _THINK,
+            "tool_calls": {
+                "open_pattern": r"\s*<tool_call>",
+                "close": "</tool_call>",
+                "repeats": True,
+                "content": "json",
+                "transform": {"type": "function", "function": "{content}"},
+            },
+            "content": _QWEN_END,
+        },
+    },
+    # XML function/parameter markup inside <tool_call>: Qwen3-Coder, Qwen3.5.
+    "qwen3_xml": {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {
+            "reasoning_content": _THINK,
+            "tool_calls": {
+                "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+                "close_pattern": r"</function>\s*</tool_call>",
+                "repeats": True,
+                "content": "xml-inline",
+                "content_args": {
+                    "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>"
+                },
+                "transform": {
+                    "type": "function",
+                    "function": {"name": "{name}", "arguments": "{content}"},
+                },
+            },
+            "content": _QWEN_END,
+        },
+    },
+}
+PARSERS = [*RESPONSE_TEMPLATES, "tokenizer"]  # "tokenizer": the model's own response_template
+_SENTINEL = "MOLT_REPLY_SENTINEL"
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class Reply:
+    """What the model said, as the wires return it."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def as_message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [tool_call_message(tc.name, tc.arguments) for tc in self.tool_calls]
+        return msg
+
+    def matches(self, msg: dict[str, Any]) -> bool:
+        """Whether a client's echo of this reply is the reply (reasoning may be dropped)."""
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []
+        ]
+        return (
+            msg.get("role") == "assistant"
+            and (msg.get("content") or "").strip() == self.content.strip()
+            and calls == [(tc.name, tc.arguments) for tc in self.tool_calls]
+        )
+
+
+def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ChatRenderer:
+    """Renders conversations with the tokenizer's chat template and parses generated text."""
+
+    def __init__(self, tokenizer, parser: str = "qwen3", chat_template_kwargs: dict | None = None):
+        if parser == "tokenizer":
+            template = getattr(tokenizer, "response_template", None)
+            if template is None:
+                raise ValueError("parser='tokenizer' but the tokenizer has no response_template")
+        elif parser in RESPONSE_TEMPLATES:
+            template = RESPONSE_TEMPLATES[parser]
+        else:
+            raise ValueError(f"unknown parser {parser!r}; choose one of {PARSERS}")
+        self.tokenizer = tokenizer
+        self.response_template = template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.closing_ids = self._closing_ids()
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.chat_template_kwargs,
+            )
+        except Exception as e:  # jinja raises many types; a bad conversation is the client's
+            raise CaptureError(
+                400, f"the chat template rejected the messages: {e}", "messages"
+            ) from e
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _closing_ids(self) -> list[int]:
+        """The template's tokens after an assistant message's content (e.g. `<|im_end|>` and
+        `\\n` for Qwen): found by rendering a probe reply and reading what follows it."""
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(probe, None, add_generation_prompt=False)
+        return self.encode(text[text.rindex(_SENTINEL) + len(_SENTINEL) :])
+
+    def missing_closing(self, generated: list[int]) -> list[int]:
+        """The closing tokens the engine stopped before: if it emitted `<|im_end|>` itself,
+        only the separator after it is missing."""
+        close = self.closing_ids
+        for k in range(len(close), 0, -1):
+            if generated[-k:] == close[:k]:
+                return close[k:]
+        return list(close)
+
+    def parse(
+        self,
+        generated: list[int],
+        prompt_text: str,
+        tools: list[dict] | None,
+        stop_string: str | None = None,
+        parse_tools: bool = True,
+    ) -> Reply:
+        text = self.decode(generated)
+        if stop_string and stop_string in text:  # the client never sees its stop string
+            text = text[: text.index(stop_string)]
+        try:
+            msg = parse_response(text, self.response_template, prefix=prompt_text, tools=tools)
+        except (ValueError, KeyError):
+            # Malformed markup (e.g. broken JSON in a tool call) is the model's answer: return it
+            # as text; the trace still holds exactly what was generated.
+            return Reply(content=self._strip_special(text))
+        content = msg.get("content") or ""
+        calls = []
+        for raw in msg.get("tool_calls") or []:
+            fn = raw.get("function") if isinstance(raw, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                return Reply(content=self._strip_special(text))
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    args = {"_raw": args}
+            calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args or {}))
+        if not parse_tools and calls:
+            return Reply(content=self._strip_special(text), reasoning=msg.get("reasoning_content"))
+        return Reply(
+            content=content, reasoning=msg.get("reasoning_content") or None, tool_calls=calls
+        )
+
+    def _strip_special(self, text: str) -> str:
+        for tok in self.tokenizer.all_special_tokens:
+            text = text.replace(tok, "")
+        return text.strip()

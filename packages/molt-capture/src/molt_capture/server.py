@@ -1,0 +1,240 @@
+"""The capture server: FastAPI routes for both wires, the session registry, and an in-process
+uvicorn on a background thread with an ephemeral port (one per agent-runner process).
+
+Every session lives under `/s/{session_id}`; that prefix is the SDK `base_url`. The OpenAI SDK
+appends `/chat/completions` and the Anthropic SDK `/v1/messages`, so both are served there
+(and `/v1/chat/completions` for clients given the conventional `.../v1` base).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import anthropic_wire, openai_wire
+from .errors import CaptureError
+from .render import ChatRenderer
+from .session import Generator, Session, SessionConfig
+from .types import Segment
+
+log = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class CaptureServer:
+    """Serves sessions for one agent-runner process.
+
+    `generator` is the token-level engine call (token ids, sampling params, session id) ->
+    `Generation`. `parser` names the reply markup family (see `render.RESPONSE_TEMPLATES`).
+    `api_key`, when set, must be sent as `Authorization: Bearer ...` or `x-api-key`; it is
+    required when binding beyond loopback.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        generator: Generator,
+        *,
+        parser: str = "qwen3",
+        chat_template_kwargs: dict | None = None,
+        model_name: str = "molt-policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        generator_timeout_s: float | None = 600.0,
+        strict_temperature: bool = False,
+    ):
+        if not _is_loopback(host) and not api_key:
+            raise ValueError(f"binding {host} (beyond loopback) requires an api_key")
+        self.renderer = ChatRenderer(tokenizer, parser, chat_template_kwargs)
+        self.generator = generator
+        self.model_name = model_name
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.generator_timeout_s = generator_timeout_s
+        self.strict_temperature = strict_temperature
+        self.sessions: dict[str, Session] = {}
+        self.app = self._build_app()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- the runner's session API -------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def open_session(
+        self,
+        row: Any = None,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int | None = None,
+        max_len: int = 4096,
+    ) -> Session:
+        """Register a session; its SDK base URL is `base_url(session.id)`."""
+        sid = secrets.token_urlsafe(24)  # 192 bits: the id is the capability
+        cfg = SessionConfig(temperature, top_p, max_tokens, max_len, self.strict_temperature)
+        self.sessions[sid] = session = Session(sid, cfg, row)
+        return session
+
+    def base_url(self, session_id: str) -> str:
+        return f"{self.url}/s/{session_id}"
+
+    def close_session(self, session_id: str) -> list[Segment]:
+        """Forget the session and hand back its token-exact segments, in order."""
+        return self.sessions.pop(session_id).segments()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> CaptureServer:
+        """Serve on a background thread with its own event loop; returns once listening."""
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="molt-capture", daemon=True)
+        self._thread.start()
+        deadline = threading.Event()
+        for _ in range(int(timeout_s / 0.01)):
+            if self._server.started:
+                break
+            deadline.wait(0.01)
+        else:
+            raise RuntimeError("capture server did not start")
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            assert self._thread is not None
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self) -> CaptureServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- HTTP ----------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="molt-capture", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "sessions": len(self.sessions)}
+
+        async def chat(session_id: str, request: Request):
+            return await self._handle(
+                session_id, request, self._openai_turn, openai_wire.error_body
+            )
+
+        async def messages(session_id: str, request: Request):
+            return await self._handle(
+                session_id, request, self._anthropic_turn, anthropic_wire.error_body
+            )
+
+        async def count_tokens(session_id: str, request: Request):
+            return await self._handle(
+                session_id, request, self._count_tokens, anthropic_wire.error_body
+            )
+
+        async def models(session_id: str, request: Request):
+            return await self._handle(session_id, request, self._models, openai_wire.error_body)
+
+        for prefix in ("/s/{session_id}", "/s/{session_id}/v1"):
+            app.add_api_route(prefix + "/chat/completions", chat, methods=["POST"])
+            app.add_api_route(prefix + "/models", models, methods=["GET"])
+        app.add_api_route("/s/{session_id}/v1/messages", messages, methods=["POST"])
+        app.add_api_route(
+            "/s/{session_id}/v1/messages/count_tokens", count_tokens, methods=["POST"]
+        )
+        return app
+
+    async def _handle(
+        self, session_id: str, request: Request, turn: Callable, error_body: Callable
+    ):
+        """Common to every route: auth, session lookup, body, and errors in the wire's shape."""
+        try:
+            self._check_auth(request)
+            session = self.sessions.get(session_id)
+            if session is None:
+                raise CaptureError(404, "unknown session (closed, or never opened)")
+            raw = await request.body()
+            return await turn(session, raw)
+        except CaptureError as e:
+            return JSONResponse(error_body(e), status_code=e.status)
+        except Exception as e:  # a bug, not the client's fault: say so without a traceback
+            log.exception("capture server error")
+            err = CaptureError(500, f"internal error: {type(e).__name__}")
+            return JSONResponse(error_body(err), status_code=500)
+
+    def _check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        given = request.headers.get("x-api-key") or ""
+        bearer = request.headers.get("authorization") or ""
+        if bearer.lower().startswith("bearer "):
+            given = given or bearer[7:]
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise CaptureError(401, "missing or wrong API key")
+
+    async def _run(self, session: Session, chat, raw: bytes):
+        return await session.turn(
+            chat, raw, self.renderer, self.generator, self.generator_timeout_s
+        )
+
+    async def _openai_turn(self, session: Session, raw: bytes):
+        req, chat = openai_wire.parse_request(raw)
+        result = await self._run(session, chat, raw)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(openai_wire.stream(result, self.model_name, usage))
+        return JSONResponse(openai_wire.completion(result, self.model_name))
+
+    async def _anthropic_turn(self, session: Session, raw: bytes):
+        req, chat = anthropic_wire.parse_request(raw)
+        result = await self._run(session, chat, raw)
+        if req.stream:
+            return _sse(anthropic_wire.stream(result, self.model_name))
+        return JSONResponse(anthropic_wire.message(result, self.model_name))
+
+    async def _count_tokens(self, session: Session, raw: bytes):
+        chat = anthropic_wire.parse_count_request(raw)
+        text = self.renderer.render(chat.messages, chat.tools, add_generation_prompt=True)
+        return JSONResponse({"input_tokens": len(self.renderer.encode(text))})
+
+    async def _models(self, session: Session, raw: bytes):
+        return JSONResponse(openai_wire.models(self.model_name))
+
+
+def _sse(events: Iterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    )

@@ -1,0 +1,255 @@
+"""Test support other packages reuse: a tiny offline tokenizer and a deterministic generator.
+
+`build_tiny_tokenizer` trains a byte-level BPE on an embedded corpus and saves it with a
+Qwen3-style chat template (system, tools, tool calls, tool results, reasoning), so no test ever
+downloads a model. `FakeGenerator` answers scripted text as token ids with per-token log-probs
+and weight versions that are all distinct, so any misalignment shows up as a wrong number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .types import PROMPT_VERSION, Generation, SamplingParams, Segment
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Markup the model writes itself: added (never split) but not special, so decode keeps them.
+MARKUP_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+VOCAB_SIZE = 384
+_BUILD_VERSION = "1"  # bump when the corpus, vocabulary or template changes
+
+# Qwen3's layout, written with explicit '\n' strings so Jinja whitespace control cannot shift
+# a byte. Earlier reasoning is dropped unless it follows the last user query (as Qwen3 does) or
+# `preserve_thinking` is passed; `enable_thinking=False` pre-fills an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions.\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    '{{- \'\\n</tools>\\n\\nCall a function as <tool_call>\\n{"name": <name>, "arguments": <json>}'
+    "\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif messages and messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if m.reasoning_content and (loop.index0 > ns.last_query or preserve_thinking) -%}"
+    "{{- '<think>\\n' + m.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- m.content or '' -}}"
+    "{%- for tc in m.tool_calls or [] -%}"
+    "{%- if not loop.first or m.content -%}{{- '\\n' -}}{%- endif -%}"
+    '{{- \'<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' -}}'
+    "{%- if tc.function.arguments is string -%}{{- tc.function.arguments -}}"
+    "{%- else -%}{{- tc.function.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}{%- endif -%}"
+)
+
+# Small but varied: chat words, JSON punctuation and digits so tool calls compress somewhat.
+_CORPUS = [
+    "You are a helpful assistant. The user asks a question and the assistant answers it.",
+    "What is the weather in Paris today? It is sunny and 21 degrees.",
+    'Call a function: {"name": "get_weather", "arguments": {"city": "Paris"}}',
+    '{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}',
+    "Let me think step by step. First add the numbers, then check the result.",
+    "The answer is 42. 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 -1",
+    "Hello! How can I help you? Thanks, goodbye. Yes, no, maybe.",
+    "system user assistant tool description properties required string integer",
+]
+
+
+def build_tiny_tokenizer(path: str | Path) -> Path:
+    """Train (once) and save the tiny tokenizer at `path`; load it with AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    marker = path / "molt_tiny_tokenizer_version"
+    if marker.exists() and marker.read_text() == _BUILD_VERSION:
+        return path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.add_tokens(MARKUP_TOKENS)
+    fast.chat_template = QWEN3_STYLE_TEMPLATE
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    marker.write_text(_BUILD_VERSION)
+    return path
+
+
+def encode_noncanonical(tokenizer, text: str) -> list[int]:
+    """Token ids for `text` that a tokenizer would never produce: plain text one character at a
+    time, markup tokens whole. If the server re-tokenised generated text, ids would change."""
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, added)) + ")", text):
+        if piece in added:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        else:
+            for ch in piece:
+                ids += tokenizer.encode(ch, add_special_tokens=False)
+    return ids
+
+
+@dataclass
+class FakeCall:
+    token_ids: list[int]
+    params: SamplingParams
+    session_id: str
+    generation: Generation | None = None
+
+
+class FakeGenerator:
+    """Deterministic stand-in for the engine: answers scripted replies as token ids.
+
+    `replies` cycles through texts (or is a function of the prompt ids and params). Each reply
+    ends with `end_token` like a chat model's end of turn. Every emitted token gets a distinct
+    log-prob and weight version. Set `fail_next` to raise on the next call (before answering)
+    and `delay_s` to simulate engine latency.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        replies: Iterable[str] | Callable[[list[int], SamplingParams], str] = ("Hello!",),
+        end_token: str = "<|im_end|>",
+        delay_s: float = 0.0,
+        routing: bool = False,
+        noncanonical: bool = True,
+    ):
+        self.tokenizer = tokenizer
+        self.set_replies(replies)
+        self.end_id = tokenizer.convert_tokens_to_ids(end_token)
+        self.delay_s = delay_s
+        self.routing = routing
+        self.noncanonical = noncanonical
+        self.calls: list[FakeCall] = []
+        self.fail_next: BaseException | None = None
+        self._counter = 0
+
+    def set_replies(
+        self, replies: Iterable[str] | Callable[[list[int], SamplingParams], str]
+    ) -> None:
+        self._script = replies if callable(replies) else itertools.cycle(list(replies))
+
+    def _next_text(self, token_ids: list[int], params: SamplingParams) -> str:
+        if callable(self._script):
+            return self._script(token_ids, params)
+        return next(self._script)
+
+    async def __call__(
+        self, token_ids: list[int], params: SamplingParams, session_id: str
+    ) -> Generation:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        call = FakeCall(list(token_ids), params, session_id)
+        self.calls.append(call)
+        text = self._next_text(token_ids, params)
+        encode = encode_noncanonical if self.noncanonical else _encode_plain
+        ids = encode(self.tokenizer, text) + [self.end_id]
+        finish, stop_reason = "stop", None
+        # Like vLLM: the token completing a stop string is kept, the text after it is not.
+        for i in range(len(ids)) if params.stop else ():
+            decoded = self.tokenizer.decode(ids[: i + 1])
+            hit = next((s for s in params.stop if s in decoded), None)
+            if hit is not None:
+                ids, stop_reason = ids[: i + 1], hit
+                break
+        if len(ids) > params.max_tokens:
+            ids, finish, stop_reason = ids[: params.max_tokens], "length", None
+        first = self._counter
+        self._counter += len(ids)
+        counters = range(first + 1, first + 1 + len(ids))
+        call.generation = Generation(
+            token_ids=ids,
+            logprobs=[-c / 1024 for c in counters],
+            finish_reason=finish,
+            weight_versions=list(counters),
+            routed_experts=[[[c % 8, (c + 3) % 8]] for c in counters] if self.routing else None,
+            stop_reason=stop_reason,
+        )
+        return call.generation
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tool_call_text(name: str, arguments: dict, compact: bool = False) -> str:
+    """The Qwen3-style markup a model writes for one tool call."""
+    sep = (",", ":") if compact else None
+    payload = json.dumps({"name": name, "arguments": arguments}, separators=sep)
+    return f"<tool_call>\n{payload}\n</tool_call>"
+
+
+def assert_token_exact(segments: list[Segment], calls: list[FakeCall]) -> None:
+    """The capture invariant, checked against what a generator was asked and answered.
+
+    Every generated turn appears in exactly one segment, in order, with its ids, log-probs and
+    weight versions; the engine's prompt for that turn is exactly the segment before it; the
+    trainable mask covers exactly the generated tokens.
+    """
+    turns = [(seg, span) for seg in segments for span in seg.turns]
+    answered = [c for c in calls if c.generation is not None]
+    assert len(turns) == len(answered), f"{len(turns)} recorded turns, {len(answered)} generations"
+    for (seg, span), call in zip(turns, answered, strict=True):
+        gen = call.generation
+        assert seg.token_ids[: span.start] == call.token_ids, "engine prompt != segment prefix"
+        assert seg.token_ids[span.start : span.end] == gen.token_ids, "trained ids != generated"
+        assert seg.logprobs[span.start : span.end] == gen.logprobs, "log-probs misaligned"
+        assert seg.weight_versions[span.start : span.end] == gen.weight_versions
+    for seg in segments:
+        n = len(seg.token_ids)
+        assert len(seg.trainable) == len(seg.logprobs) == len(seg.weight_versions) == n
+        generated = {i for span in seg.turns for i in range(span.start, span.end)}
+        assert {i for i, m in enumerate(seg.trainable) if m} == generated, "mask != generated"
+        for i in set(range(n)) - generated:
+            assert seg.logprobs[i] == 0.0 and seg.weight_versions[i] == PROMPT_VERSION

@@ -1,0 +1,142 @@
+"""The records every later package exchanges: a generation, a token-exact segment, a rollout.
+
+Plain dataclasses of lists, ints, floats and strings: they pickle (Ray) and round-trip through
+JSON with `to_dict`/`from_dict`. Prompt (non-generated) tokens carry log-prob 0.0, weight version
+-1 and no routing row, so every per-token list is aligned 1:1 with `token_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+PROMPT_VERSION = -1  # weight version recorded for tokens the policy did not sample
+
+# One token's routed experts: a row of expert ids per MoE layer.
+RoutingRow = list[list[int]]
+
+
+@dataclass
+class SamplingParams:
+    """What the generator is asked for; the server fills it from the request and session."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """One engine answer: the sampled tokens, each with its log-prob and weight version."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+    weight_versions: list[int]
+    routed_experts: list[RoutingRow] | None = None
+    # The stop string (or stop token id) that ended generation, when one did (vLLM's stop_reason).
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.weight_versions) != n:
+            raise ValueError(
+                f"Generation lists are misaligned: {n} ids, {len(self.logprobs)} logprobs, "
+                f"{len(self.weight_versions)} weight versions"
+            )
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"Generation has {n} ids but {len(self.routed_experts)} routing rows")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Generation:
+        return cls(**d)
+
+
+@dataclass
+class TurnSpan:
+    """Where one generated turn sits in its segment, and how it was sampled."""
+
+    start: int  # index of the first generated token
+    end: int  # one past the last generated token
+    max_tokens: int
+    finish_reason: str
+
+
+@dataclass
+class Segment:
+    """One token-exact context: exactly the ids the engine saw and produced, in order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    trainable: list[int] = field(default_factory=list)  # 1 for generated tokens, else 0
+    logprobs: list[float] = field(default_factory=list)  # as sampled; 0.0 where not generated
+    weight_versions: list[int] = field(default_factory=list)  # PROMPT_VERSION where not generated
+    routed_experts: list[RoutingRow | None] | None = None  # None rows where not generated
+    temperature: float = 1.0
+    top_p: float = 1.0
+    truncated: bool = False  # the context filled up: the episode was cut, not finished
+    turns: list[TurnSpan] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def append_context(self, ids: list[int]) -> None:
+        """Tokens the policy did not sample (prompt, template markup, tool results)."""
+        self.token_ids += ids
+        self.trainable += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.weight_versions += [PROMPT_VERSION] * len(ids)
+        if self.routed_experts is not None:
+            self.routed_experts += [None] * len(ids)
+
+    def append_generation(self, gen: Generation, max_tokens: int) -> None:
+        start = len(self.token_ids)
+        if gen.routed_experts is not None and self.routed_experts is None:
+            self.routed_experts = [None] * start
+        self.token_ids += gen.token_ids
+        self.trainable += [1] * len(gen.token_ids)
+        self.logprobs += gen.logprobs
+        self.weight_versions += gen.weight_versions
+        if self.routed_experts is not None:
+            self.routed_experts += gen.routed_experts or [None] * len(gen.token_ids)
+        self.turns.append(TurnSpan(start, len(self.token_ids), max_tokens, gen.finish_reason))
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.trainable)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Segment:
+        d = dict(d)
+        d["turns"] = [TurnSpan(**t) for t in d.get("turns", [])]
+        return cls(**d)
+
+
+@dataclass
+class Rollout:
+    """One episode: its segments (several after context compaction) share reward and ids."""
+
+    segments: list[Segment]
+    reward: float
+    rollout_id: str
+    group_id: str
+    score: float | None = None  # task score when it differs from the shaped reward
+    info: dict[str, float] = field(default_factory=dict)  # numeric diagnostics
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, by stage
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["segments"] = [s.to_dict() for s in self.segments]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rollout:
+        d = dict(d)
+        d["segments"] = [Segment.from_dict(s) for s in d["segments"]]
+        return cls(**d)
