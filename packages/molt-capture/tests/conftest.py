@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from molt_capture import CaptureServer, Session
 from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
 
+USER_MSG = {"role": "user", "content": "What is 1+2?"}
 ADD_TOOL = {
     "type": "function",
     "function": {
@@ -60,10 +61,10 @@ def calls_of(gen: FakeGenerator, session: Session):
 
 
 def openai_client(server: CaptureServer, session: Session, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url(session.id), api_key="any", max_retries=0, **kw)
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return openai.OpenAI(base_url=server.base_url(session.id), **kw)
 
 
 def anthropic_client(server: CaptureServer, session: Session, **kw) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=server.base_url(session.id), api_key="any", max_retries=0, **kw
-    )
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return anthropic.Anthropic(base_url=server.base_url(session.id), **kw)

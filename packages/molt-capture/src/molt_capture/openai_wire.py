@@ -126,6 +126,9 @@ def _text(content: str | list[TextPart] | None) -> str:
 
 def _to_template(m: Message, i: int) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
+    if m.content is None and m.role != "assistant":
+        where = f"messages.{i}.content"
+        raise CaptureError(400, f"{where} is required for a {m.role} message", where)
     msg: dict[str, Any] = {"role": role, "content": _text(m.content)}
     if m.role == "tool":
         if m.tool_call_id is None:

@@ -1,0 +1,109 @@
+"""HTTP surface: routes, errors, security, timeouts, per-session serialisation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from conftest import USER_MSG, anthropic_client, openai_client
+
+from molt_capture import CaptureServer
+from molt_capture.testing import FakeGenerator
+
+
+def test_health_and_both_base_url_forms(server):
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    s = server.open_session()
+    conventional = openai.OpenAI(base_url=server.base_url(s.id) + "/v1", api_key="k", max_retries=0)
+    assert (
+        conventional.chat.completions.create(model="m", messages=[USER_MSG])
+        .choices[0]
+        .message.content
+        == "Hello!"
+    )
+    assert [m.id for m in anthropic_client(server, s).models.list()] == [server.model_name]
+    server.close_session(s.id)
+
+
+def test_session_ids_are_unguessable(server):
+    ids = [server.open_session().id for _ in range(50)]
+    assert len(set(ids)) == 50 and min(len(i) for i in ids) >= 32  # 192 bits, url-safe base64
+    for i in ids:
+        server.close_session(i)
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "v1/messages"])
+def test_unknown_session_and_bad_json(server, route):
+    r = httpx.post(f"{server.url}/s/nope/{route}", json={"messages": []})
+    assert r.status_code == 404 and "unknown session" in r.text
+    s = server.open_session()
+    for body in (b"{not json", b"[1, 2]", b""):
+        r = httpx.post(f"{server.base_url(s.id)}/{route}", content=body)
+        assert r.status_code == 400 and "Traceback" not in r.text
+    r = httpx.post(
+        f"{server.base_url(s.id)}/{route}",
+        json={"messages": [{"role": "user", "content": 5}], "max_tokens": 3},
+    )
+    assert r.status_code == 400 and "messages.0.content" in r.text
+    server.close_session(s.id)
+
+
+def test_bearer_token(tokenizer):
+    gen = FakeGenerator(tokenizer)
+    with pytest.raises(ValueError, match="api_key"):
+        CaptureServer(tokenizer, gen, host="0.0.0.0")
+    with CaptureServer(tokenizer, gen, api_key="secret") as server:
+        s = server.open_session()
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(server, s).chat.completions.create(model="m", messages=[USER_MSG])
+        ok = openai.OpenAI(base_url=server.base_url(s.id), api_key="secret", max_retries=0)
+        assert ok.chat.completions.create(model="m", messages=[USER_MSG]).choices[0].message.content
+        anthropic_ok = anthropic_client(server, s, api_key="secret")  # sends x-api-key
+        assert anthropic_ok.messages.create(model="m", max_tokens=9, messages=[USER_MSG]).content
+        assert server.host == "127.0.0.1"
+
+
+def test_timeout_and_strict_temperature(tokenizer):
+    gen = FakeGenerator(tokenizer, delay_s=0.5)
+    with CaptureServer(tokenizer, gen, generator_timeout_s=0.05, strict_temperature=True) as server:
+        s = server.open_session(temperature=0.8)
+        client = openai_client(server, s)
+        with pytest.raises(openai.InternalServerError, match="timed out") as e:
+            client.chat.completions.create(model="m", messages=[USER_MSG])
+        assert e.value.status_code == 504
+        with pytest.raises(openai.BadRequestError, match="training temperature"):
+            client.chat.completions.create(model="m", messages=[USER_MSG], temperature=1.0)
+        assert server.close_session(s.id) == []
+
+
+def test_turns_of_one_session_are_serialised(tokenizer):
+    active, peak = 0, 0
+    fake = FakeGenerator(tokenizer, ["Hi."])
+
+    async def generator(ids, params, sid):
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.05)
+        active -= 1
+        return await fake(ids, params, sid)
+
+    with CaptureServer(tokenizer, generator) as server:
+        s = server.open_session()
+
+        async def burst():
+            client = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key="k", max_retries=0)
+            await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": f"q{i}"}]
+                    )
+                    for i in range(4)
+                )
+            )
+            await client.close()
+
+        asyncio.run(burst())
+    assert peak == 1 and len(fake.calls) == 4
