@@ -16,7 +16,8 @@ from molt_capture.testing import FakeGenerator
 def test_health_and_both_base_url_forms(server):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     s = server.open_session()
-    conventional = openai.OpenAI(base_url=server.base_url(s.id) + "/v1", api_key="k", max_retries=0)
+    assert s.base_url == f"http://127.0.0.1:{server.port}/s/{s.id}"
+    conventional = openai.OpenAI(base_url=s.base_url + "/v1", api_key="k", max_retries=0)
     assert (
         conventional.chat.completions.create(model="m", messages=[USER_MSG])
         .choices[0]
@@ -48,6 +49,11 @@ def test_unknown_session_and_bad_json(server, route):
     )
     assert r.status_code == 400 and "messages.0.content" in r.text
     server.close_session(s.id)
+
+
+def test_port_in_use_fails_fast(tokenizer, server):
+    with pytest.raises(RuntimeError, match="did not start"):
+        CaptureServer(tokenizer, server.generator, port=server.port).start(timeout_s=5)
 
 
 def test_bearer_token(tokenizer):

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,10 +91,12 @@ class CaptureServer:
         max_tokens: int | None = None,
         max_len: int = 4096,
     ) -> Session:
-        """Register a session; its SDK base URL is `base_url(session.id)`."""
+        """Register a session; `session.base_url` is what the agent's SDK client is given
+        (open sessions after `start()`, which fixes the port)."""
         sid = secrets.token_urlsafe(24)  # 192 bits: the id is the capability
         cfg = SessionConfig(temperature, top_p, max_tokens, max_len, self.strict_temperature)
         self.sessions[sid] = session = Session(sid, cfg, row)
+        session.base_url = self.base_url(sid)
         return session
 
     def base_url(self, session_id: str) -> str:
@@ -116,17 +119,22 @@ class CaptureServer:
             lifespan="off",
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="molt-capture", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="molt-capture", daemon=True)
         self._thread.start()
-        deadline = threading.Event()
         for _ in range(int(timeout_s / 0.01)):
-            if self._server.started:
+            if self._server.started or not self._thread.is_alive():
                 break
-            deadline.wait(0.01)
-        else:
-            raise RuntimeError("capture server did not start")
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"capture server did not start on {self.host}:{self.port}")
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
+
+    def _serve(self) -> None:
+        try:
+            self._server.run()
+        except SystemExit:  # uvicorn exits when it cannot bind; start() reports it
+            pass
 
     def stop(self) -> None:
         if self._server is not None:

@@ -72,6 +72,7 @@ class Session:
         self.id = session_id
         self.config = config
         self.row = row  # the dataset row the runner opened the session for
+        self.base_url = ""  # set by the server: what the agent's SDK client is given
         self.lock = asyncio.Lock()  # one turn at a time per session
         self.sealed: list[Segment] = []
         self.current: Segment | None = None
