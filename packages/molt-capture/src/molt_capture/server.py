@@ -8,6 +8,7 @@ appends `/chat/completions` and the Anthropic SDK `/v1/messages`, so both are se
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import logging
@@ -131,10 +132,8 @@ class CaptureServer:
         return self
 
     def _serve(self) -> None:
-        try:
+        with contextlib.suppress(SystemExit):  # uvicorn exits if it cannot bind; start() says so
             self._server.run()
-        except SystemExit:  # uvicorn exits when it cannot bind; start() reports it
-            pass
 
     def stop(self) -> None:
         if self._server is not None:
