@@ -92,6 +92,11 @@ def test_history_that_does_not_round_trip_keeps_generated_tokens(tokenizer, rend
     assert_token_exact([seg], gen.calls)
     text = tokenizer.decode(seg.token_ids)
     assert '{"name":"add","arguments":{"a":1,"b":2}}' in text
+    # Between the turns: the end-of-turn separator, then exactly the template's new text.
+    history = renderer.render(msgs[:2], tools, False)
+    delta = renderer.render(msgs, tools, True)[len(history) :]
+    between = seg.token_ids[seg.turns[0].end : seg.turns[1].start]
+    assert tokenizer.decode(between) == "\n" + delta and delta.startswith("<|im_start|>user\n<tool")
     assert text != renderer.render([*msgs, {"role": "assistant", "content": "3."}], tools, False)
 
 
