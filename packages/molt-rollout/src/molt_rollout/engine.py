@@ -1,0 +1,170 @@
+"""vLLM engines: one OpenAI-compatible server process per engine, each owned by a Ray actor.
+
+The actor handles placement (it holds the engine's GPUs, tensor x data parallel, so the server
+it spawns inherits them; CPU engines hold none) and lifetime: start-up with a readiness
+timeout, health, captured logs, clean shutdown. When a server dies, every error names the
+engine and carries its last log lines.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import ray
+
+from molt_rollout.config import VLLMConfig, server_args
+
+LOG_TAIL_LINES = 40
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start, died, or stopped answering; the message has its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.exists():
+        return "(no log)"
+    with path.open(errors="replace") as f:
+        return "".join(deque(f, maxlen=lines))
+
+
+class EngineServer:
+    """One vLLM server process (plain Python: the actor below wraps it)."""
+
+    def __init__(self, index: int, cfg: VLLMConfig, model: str, transfer_backend: str,
+                 log_dir: str, on_gpu: bool) -> None:  # fmt: skip
+        self.index, self.cfg, self.model = index, cfg, model
+        self.transfer_backend, self.on_gpu = transfer_backend, on_gpu
+        self.log_path = Path(log_dir) / f"engine_{index}.log"
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        """Spawn the server and wait until /health answers; returns its base URL."""
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
+        if not self.on_gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        command += server_args(self.cfg, self.model, port, self.transfer_backend)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log:
+            log.write(" ".join(command) + "\n")
+            log.flush()
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self._wait_ready()
+        return self.url
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.raise_if_dead()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineError(
+            f"engine {self.index} not ready after {self.cfg.startup_timeout_s:.0f} s "
+            f"(--vllm.startup_timeout_s); last log lines of {self.log_path}:\n"
+            f"{log_tail(self.log_path)}"
+        )
+
+    def raise_if_dead(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise EngineError(
+                f"engine {self.index} ({self.url}) exited with code {self.process.returncode}; "
+                f"last log lines of {self.log_path}:\n{log_tail(self.log_path)}"
+            )
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, 15)  # the server and its engine-core children
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """Owns one EngineServer; its resources (GPUs) are the engine's placement."""
+
+    def __init__(self, *args) -> None:
+        self.server = EngineServer(*args)
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def check(self) -> None:
+        self.server.raise_if_dead()
+
+    def healthy(self) -> bool:
+        return self.server.healthy()
+
+    def pid(self) -> int | None:
+        return self.server.pid()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class EngineGroup:
+    """The run's engines, started in parallel; `check()` raises EngineError for a dead one."""
+
+    def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
+                 on_gpu: bool) -> None:  # fmt: skip
+        gpus = cfg.tensor_parallel_size * cfg.data_parallel_size if on_gpu else 0
+        self.cfg = cfg
+        self.actors = [
+            EngineActor.options(num_gpus=gpus).remote(
+                i, cfg, model, transfer_backend, log_dir, on_gpu
+            )
+            for i in range(cfg.num_engines)
+        ]
+        self.urls: list[str] = []
+
+    def start(self) -> list[str]:
+        self.urls = ray.get([a.start.remote() for a in self.actors],
+                            timeout=self.cfg.startup_timeout_s + 30)  # fmt: skip
+        return self.urls
+
+    def check(self) -> None:
+        ray.get([a.check.remote() for a in self.actors], timeout=30)
+
+    def pids(self) -> list[int | None]:
+        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=60)
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)

@@ -1,0 +1,219 @@
+"""Refit: new trainer weights into every engine through vLLM's own weight-transfer protocol.
+
+One refit, for all engines at once, bypassing the router:
+  pause(keep)        in-flight requests stay queued with their KV; nothing is aborted
+  start_weight_update
+  update_weights     one call per bucket of tensors, concurrent with the trainer's broadcast
+  finish_weight_update(version)   and the new version is what tokens report from now on
+  reset_prefix_cache(reset_running_requests)   no request, new or kept, reuses KV computed
+                     under the old weights: kept requests are re-prefilled, then continue
+  resume
+Each phase is timed (`timing/refit_*`); every HTTP call and collective has a timeout that
+raises `RefitError`.
+
+Transports (the wire under `update_weights`): `GlooTransport`, Molt's CPU backend (see
+cpu_transport.py), and `NcclTransport`, vLLM's NCCL backend, on GPU. Both ship buckets of about
+`--refit.bucket_mb`, never one call per tensor.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from datetime import timedelta
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from molt_rollout.buckets import BucketMeta, iter_buckets, pack
+from molt_rollout.config import RefitConfig
+from molt_rollout.engine import free_port
+
+
+class RefitError(RuntimeError):
+    pass
+
+
+class EngineControl:
+    """One engine's RL control endpoints (mounted by VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def post(self, path: str, json: dict | None = None, **params) -> dict:
+        try:
+            response = self.http.post(path, json=json, params=params or None)
+        except httpx.HTTPError as error:
+            raise RefitError(f"{self.url}{path} failed: {error!r}") from error
+        if response.status_code >= 400:
+            raise RefitError(
+                f"{self.url}{path} answered {response.status_code}: {response.text[:1000]}"
+            )
+        return response.json() if response.content else {}
+
+    def weight_version(self) -> str:
+        return self.http.get("/weight_info").json()["weight_version"]
+
+    def checksums(self) -> dict[str, str]:
+        return self.post("/weight_checker", {"action": "checksum"})["checksums"]
+
+
+class GlooTransport:
+    """Trainer side of Molt's CPU backend: rank 0 of a gloo group with every engine worker."""
+
+    backend = "molt_gloo"
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.world_size, self.timeout = world_size, timedelta(seconds=timeout_s)
+        self.port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, world_size, is_master=True,
+                                   timeout=self.timeout, wait_for_workers=False)  # fmt: skip
+        self.group: dist.ProcessGroup | None = None
+
+    def worker_init_info(self, rank_offset: int) -> dict:
+        return {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": rank_offset,
+                "world_size": self.world_size, "timeout_s": self.timeout.total_seconds()}  # fmt: skip
+
+    def connect(self) -> None:
+        self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        self.group.broadcast(pack(tensors), 0).wait()
+
+
+class NcclTransport:
+    """Trainer side of vLLM's NCCL backend (GPU): packed broadcasts from rank 0, one bucket per
+    `update_weights` call, in vLLM's own packed format."""
+
+    backend = "nccl"
+
+    def __init__(self, world_size: int, timeout_s: float, bucket_bytes: int, address: str) -> None:
+        self.world_size, self.bucket_bytes, self.address = world_size, bucket_bytes, address
+        self.port = free_port()
+        self.group = None
+
+    def worker_init_info(self, rank_offset: int) -> dict:
+        return {"master_address": self.address, "master_port": self.port, "rank_offset": rank_offset,
+                "world_size": self.world_size, "packed": True,
+                "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": 2}  # fmt: skip
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.group = trainer_init({"master_address": self.address, "master_port": self.port,
+                                   "world_size": self.world_size})  # fmt: skip
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        packed_nccl_broadcast_producer(
+            iterator=iter(tensors), group=self.group, src=0, post_iter_func=lambda t: t,
+            buffer_size_bytes=self.bucket_bytes, num_buffers=2,
+        )  # fmt: skip
+        torch.cuda.current_stream().synchronize()
+
+
+class Refitter:
+    """Drives init once and then every refit across all engines."""
+
+    def __init__(self, engine_urls: list[str], workers_per_engine: int, cfg: RefitConfig,
+                 on_gpu: bool) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.engines = [EngineControl(url, cfg.timeout_s) for url in engine_urls]
+        self.workers_per_engine = workers_per_engine
+        world_size = 1 + workers_per_engine * len(engine_urls)
+        if transfer_backend(cfg, on_gpu) == "nccl":
+            self.transport = NcclTransport(
+                world_size, cfg.timeout_s, cfg.bucket_mb << 20, "127.0.0.1"
+            )
+        else:
+            self.transport = GlooTransport(world_size, cfg.timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)))
+
+    def _on_all(self, call: Callable[[EngineControl], object]) -> list:
+        futures = [self.pool.submit(call, engine) for engine in self.engines]
+        return [f.result(timeout=self.cfg.timeout_s) for f in futures]
+
+    def init_transfer(self) -> None:
+        """Rendezvous the trainer (rank 0) with every engine worker; once per run."""
+        futures = [
+            self.pool.submit(engine.post, "/init_weight_transfer_engine",
+                             {"init_info": self.transport.worker_init_info(1 + i * self.workers_per_engine)})
+            for i, engine in enumerate(self.engines)
+        ]  # fmt: skip
+        connector = threading.Thread(target=self.transport.connect, daemon=True)
+        connector.start()
+        for future in futures:
+            future.result(timeout=self.cfg.timeout_s)
+        connector.join(self.cfg.timeout_s)
+        if connector.is_alive():
+            raise RefitError(f"weight-transfer rendezvous timed out after {self.cfg.timeout_s} s")
+
+    def set_version(self, version: int) -> None:
+        self._on_all(lambda e: e.post("/update_weight_version", {"new_version": str(version)}))
+
+    def pause(self, mode: str = "keep") -> None:
+        self._on_all(lambda e: e.post("/pause", mode=mode))
+
+    def resume(self) -> None:
+        self._on_all(lambda e: e.post("/resume"))
+
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, float]:
+        """pause(keep) -> transfer in buckets -> finish with `version` -> reset cache -> resume."""
+        times: dict[str, float] = {}
+        start = last = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            times[f"timing/refit_{name}"] = now - last
+            last = now
+
+        before = self._on_all(EngineControl.checksums) if self.cfg.report_unupdated else None
+        self.pause("keep")
+        lap("pause")
+        self._on_all(lambda e: e.post("/start_weight_update"))
+        lap("start")
+        num_buckets = 0
+        for meta, tensors in iter_buckets(named_tensors, self.cfg.bucket_mb << 20):
+            self._send_bucket(meta, tensors)
+            num_buckets += 1
+        lap("transfer")
+        self._on_all(lambda e: e.post("/finish_weight_update", {"weight_version": str(version)}))
+        lap("finish")
+        self._on_all(lambda e: e.post("/reset_prefix_cache", reset_running_requests="true"))
+        lap("reset_cache")
+        self.resume()
+        lap("resume")
+        times["timing/refit_total"] = time.perf_counter() - start
+        times["refit/buckets"] = float(num_buckets)
+        if before is not None:
+            after = self._on_all(EngineControl.checksums)
+            unchanged = sorted(
+                {n for b, a in zip(before, after, strict=True) for n in b if b[n] == a.get(n)}
+            )
+            times["refit/unupdated_params"] = float(len(unchanged))
+            self.last_unupdated = unchanged
+        return times
+
+    def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor]) -> None:
+        # Workers block inside update_weights until the broadcast arrives: run both at once.
+        update = {"update_info": asdict(meta)}
+        futures = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
+        self.transport.send(tensors)
+        for future in futures:
+            future.result(timeout=self.cfg.timeout_s)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def transfer_backend(cfg: RefitConfig, on_gpu: bool) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if on_gpu else GlooTransport.backend

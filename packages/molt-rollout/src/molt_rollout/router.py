@@ -1,0 +1,65 @@
+"""The router: vllm-router as its own process in front of the engines.
+
+Inference traffic only (refit talks to each engine directly). The default policy,
+sticky least-loaded on the `x-session-id` header, keeps every request of one rollout on the
+engine that holds its prefix cache and places new sessions on the least-loaded engine.
+"""
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from molt_rollout.config import RouterConfig
+from molt_rollout.engine import EngineError, free_port, log_tail
+
+SESSION_HEADER = "x-session-id"
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, engine_urls: list[str], log_dir: str) -> None:
+        self.cfg, self.engine_urls = cfg, engine_urls
+        self.log_path = Path(log_dir) / "router.log"
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        executable = shutil.which("vllm-router")
+        if executable is None:
+            raise EngineError("vllm-router is not installed (pip install vllm-router)")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        command = [
+            executable, "--host", "127.0.0.1", "--port", str(port),
+            "--policy", self.cfg.policy,
+            "--worker-urls", *self.engine_urls,
+        ]  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineError(
+                    f"router exited with {self.process.returncode}:\n{log_tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise EngineError(
+            f"router not ready after {self.cfg.startup_timeout_s} s:\n{log_tail(self.log_path)}"
+        )
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

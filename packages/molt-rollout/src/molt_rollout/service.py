@@ -1,0 +1,52 @@
+"""The generation side of a run, assembled: engines, router, refit control, token clients."""
+
+from dataclasses import dataclass
+
+import torch
+
+from molt_rollout.client import TokenClient
+from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig, validate_rollout_config
+from molt_rollout.engine import EngineGroup
+from molt_rollout.refit import Refitter, transfer_backend
+from molt_rollout.router import Router
+
+
+@dataclass
+class RolloutService:
+    model: str
+    vllm: VLLMConfig
+    engines: EngineGroup
+    router: Router
+    refitter: Refitter
+
+    @classmethod
+    def start(cls, model: str, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig,
+              log_dir: str, on_gpu: bool | None = None) -> "RolloutService":  # fmt: skip
+        """Start engines (Ray must be initialised), then the router, then the refit rendezvous;
+        the engines' weights are version 0."""
+        validate_rollout_config(vllm, router, refit)
+        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        engines = EngineGroup(vllm, model, transfer_backend(refit, on_gpu), log_dir, on_gpu)
+        urls = engines.start()
+        try:
+            router_process = Router(router, urls, log_dir)
+            router_process.start()
+            workers = vllm.tensor_parallel_size * vllm.data_parallel_size
+            refitter = Refitter(urls, workers, refit, on_gpu)
+            refitter.init_transfer()
+            refitter.set_version(0)
+        except BaseException:
+            engines.shutdown()
+            raise
+        return cls(model, vllm, engines, router_process, refitter)
+
+    def token_client(self) -> TokenClient:
+        """A generator for molt-capture sessions and Env runners (one per event loop)."""
+        return TokenClient(
+            self.router.url, self.model, self.vllm.request_timeout_s, self.vllm.max_retries
+        )
+
+    def shutdown(self) -> None:
+        self.refitter.close()
+        self.router.stop()
+        self.engines.shutdown()

