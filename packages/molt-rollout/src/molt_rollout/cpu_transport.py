@@ -8,6 +8,7 @@ process, and an engine started with `--weight-transfer-config '{"backend": "molt
 creates it. The trainer side is `molt_rollout.refit.GlooSender`.
 """
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -100,7 +101,5 @@ def register() -> None:
     """vLLM general-plugin hook; runs once per vLLM process (possibly more: stay idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
+    with contextlib.suppress(ValueError):  # already registered in this process
         WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-    except ValueError:  # already registered in this process
-        pass
