@@ -77,12 +77,12 @@ def client_main(spec: dict) -> None:
 
 def bench(args, wire: str) -> dict:
     from fastapi import Request
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from molt_capture import CaptureServer
     from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(
+    tok = PreTrainedTokenizerFast.from_pretrained(
         build_tiny_tokenizer(f"{tempfile.gettempdir()}/molt_tiny_tok")
     )
     reply = "Sure. The answer to that question is 3, and here is a short explanation of why."

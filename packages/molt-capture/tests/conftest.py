@@ -6,7 +6,7 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from molt_capture import CaptureServer, Session
 from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
@@ -33,7 +33,9 @@ ADD_TOOL_ANTHROPIC = {
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+    return PreTrainedTokenizerFast.from_pretrained(
+        build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,9 @@ _CORPUS = [
 
 
 def build_tiny_tokenizer(path: str | Path) -> Path:
-    """Train (once) and save the tiny tokenizer at `path`; load it with AutoTokenizer."""
+    """Train (once) and save the tiny tokenizer at `path`. Load it with
+    `PreTrainedTokenizerFast.from_pretrained` (AutoTokenizer works too, but imports torch
+    whenever torch is installed)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
