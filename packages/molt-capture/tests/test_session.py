@@ -6,6 +6,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from molt_capture import CaptureError, ChatRenderer, ChatRequest, Session, SessionConfig
 from molt_capture.testing import (
@@ -234,3 +236,55 @@ def test_routing_rows_align_with_tokens(tokenizer, renderer):
     assert all(
         row is None for row, m in zip(seg.routed_experts, seg.trainable, strict=True) if not m
     )
+
+
+REPLIES = [
+    "Plain answer.",
+    "<think>\nreason\n</think>\n\nWith reasoning.",
+    tool_call_text("add", {"a": 1, "b": 2}),
+    "<think>\nuse a tool\n</think>\n\nCalling.\n" + tool_call_text("add", {"a": 5}, compact=True),
+    "cut here STOP never seen",
+]
+ACTIONS = ["user", "tool", "compact", "retry", "fail"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    script=st.lists(
+        st.tuples(st.sampled_from(ACTIONS), st.sampled_from(REPLIES)), min_size=1, max_size=8
+    ),
+    preserve=st.booleans(),
+)
+def test_any_episode_is_token_exact(tokenizer, script, preserve):
+    """Random episodes (follow-ups, tool results, compaction, retries, failures, stop strings):
+    the invariant holds, retries and failures record nothing."""
+    renderer = ChatRenderer(tokenizer, "qwen3", {"preserve_thinking": preserve})
+    pending: list[str] = []
+    gen = FakeGenerator(tokenizer, lambda ids, params: pending.pop())
+    s = Session("s", SessionConfig(max_len=4096))
+    msgs, last, result = [USER], None, None
+    for action, reply in script:
+        if result is not None and action in ("user", "tool"):
+            nxt = {"role": "user", "content": "Go on."}
+            if action == "tool":
+                nxt = {"role": "tool", "content": "7", "tool_call_id": "c1"}
+            msgs = [*msgs, echo(result), nxt]
+        elif action == "compact":
+            msgs = [{"role": "user", "content": f"Summary of {len(msgs)} messages."}]
+        n_calls, n_turns = len(gen.calls), sum(len(x.turns) for x in s.segments())
+        if action == "fail":
+            gen.fail_next = RuntimeError("down")
+            with pytest.raises(CaptureError):  # a new request (an identical one is cached)
+                turn(
+                    s, renderer, gen, [*msgs, {"role": "user", "content": "Fails."}], stop=["STOP"]
+                )
+            assert sum(len(x.turns) for x in s.segments()) == n_turns
+            continue
+        pending.append(reply)
+        result = turn(s, renderer, gen, msgs, stop=["STOP"])
+        if action == "retry" and last == msgs:
+            assert len(gen.calls) == n_calls  # answered from the cache
+            pending.clear()
+        last = list(msgs)
+        assert "STOP" not in result.reply.content
+    assert_token_exact(s.segments(), gen.calls)
