@@ -142,20 +142,28 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _stats_of_block(
+def _scaled(logits: Tensor, temperature: float, shift: Tensor | None = None) -> Tensor:
+    """logits / τ (− shift[:, None]) as fresh float32 (float64) scratch, safe to overwrite."""
+    z = logits.to(_compute_dtype(logits), copy=True)  # a copy even when already float32
+    if temperature != 1.0:
+        z.div_(temperature)
+    if shift is not None:
+        z.sub_(shift[:, None])
+    return z
+
+
+def _block_stats(
     z: Tensor, targets: Tensor, compute_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(lse, log p of the targets, entropy) of a float32 block of scaled logits z [N, V].
-
-    z is scratch: it is overwritten with log p.
-    """
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.sub_(lse[:, None])
+    """(lse, log p of the targets, entropy) for a block of scaled logits [N, V] (scratch)."""
+    # log_softmax is one fused kernel where logsumexp is several. lse is read back at each row's
+    # maximum, where log p lies in [−log V, 0] so the subtraction loses nothing.
+    logp = torch.log_softmax(z, dim=-1)
+    z_max, argmax = z.max(dim=-1)
+    lse = z_max - logp.gather(1, argmax[:, None]).squeeze(1)
+    del z  # before the next block-sized allocation
     target_logp = logp.gather(1, targets[:, None]).squeeze(1)
-    entropy = None
-    if compute_entropy:
-        # H = −Σ p log p; the product is formed in place of exp(log p) to keep one extra block.
-        entropy = -logp.exp().mul_(logp).sum(dim=-1)
+    entropy = -logp.exp().mul_(logp).sum(dim=-1) if compute_entropy else None
     return lse, target_logp, entropy
 
 
@@ -172,22 +180,21 @@ def _logit_grad_(
     `target_cols` is each row's target column within the block; rows whose target falls outside
     the block (a vocabulary slice) carry any out-of-range value and get no one-hot term.
     """
-    # The 1/τ of the chain rule is folded into the per-row coefficients.
-    p = logp.exp()
-    if grad_entropy is not None:
-        coefficient = (grad_entropy / temperature)[:, None]
-        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-coefficient)
-        if grad_logprobs is not None:
-            grad.addcmul_(p, (grad_logprobs / temperature)[:, None], value=-1.0)
+    # With g = grad_logprobs / τ and e = grad_entropy / τ (the chain rule's 1/τ folded in):
+    # ∂L/∂logits = p ⊙ (−e log p − e H − g) + g·one-hot.
+    g = None if grad_logprobs is None else (grad_logprobs / temperature)[:, None]
+    if grad_entropy is None:
+        grad = logp.exp_().mul_(-g)
     else:
-        grad = p.mul_(-(grad_logprobs / temperature)[:, None])
-    if grad_logprobs is not None:
-        # One-hot term g/τ at each row's target; a where() rather than a boolean index keeps the
-        # whole step free of device-to-host syncs.
+        e = (grad_entropy / temperature)[:, None]
+        offset = -e * entropy[:, None] if g is None else -e * entropy[:, None] - g
+        p = logp.exp()
+        grad = logp.mul_(-e).add_(offset).mul_(p)
+    if g is not None:
+        # A where() rather than a boolean index keeps the step free of device-to-host syncs.
         inside = (target_cols >= 0) & (target_cols < grad.shape[1])
         cols = target_cols.clamp(0, max(grad.shape[1] - 1, 0))[:, None]
-        onehot = torch.where(inside, grad_logprobs / temperature, 0.0)[:, None]
-        grad.scatter_add_(1, cols, onehot.to(grad.dtype))
+        grad.scatter_add_(1, cols, torch.where(inside[:, None], g, 0.0).to(grad.dtype))
     return grad
 
 
@@ -207,11 +214,9 @@ class _HiddenLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(lse) if compute_entropy else None
         for start in range(0, n_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
-            z = (hidden[rows] @ weight.T).to(_compute_dtype(hidden))
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[rows], logprobs[rows], block_entropy = _stats_of_block(
-                z, targets[rows], compute_entropy
+            # Passed on without a name, so each block-sized temporary is freed as soon as it can be.
+            lse[rows], logprobs[rows], block_entropy = _block_stats(
+                _scaled(hidden[rows] @ weight.T, temperature), targets[rows], compute_entropy
             )
             if compute_entropy:
                 entropy[rows] = block_entropy
@@ -237,10 +242,7 @@ class _HiddenLogprobs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, width):
             cols = slice(start, start + width)
-            z = (hidden @ weight[cols].T).to(_compute_dtype(hidden))
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            logp = z.sub_(lse[:, None])
+            logp = _scaled(hidden @ weight[cols].T, ctx.temperature, shift=lse)
             grad = _logit_grad_(
                 logp, targets - start, grad_logprobs, grad_entropy, entropy, ctx.temperature
             ).to(hidden.dtype)
@@ -264,12 +266,8 @@ class _LogitsLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(lse) if compute_entropy else None
         for start in range(0, n_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
-            # A copy even for float32 input: the block is scratch, the caller's logits are not.
-            z = logits[rows].to(_compute_dtype(logits), copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[rows], logprobs[rows], block_entropy = _stats_of_block(
-                z, targets[rows], compute_entropy
+            lse[rows], logprobs[rows], block_entropy = _block_stats(
+                _scaled(logits[rows], temperature), targets[rows], compute_entropy
             )
             if compute_entropy:
                 entropy[rows] = block_entropy
@@ -289,10 +287,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            z = logits[rows].to(_compute_dtype(logits), copy=True)
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            logp = z.sub_(lse[rows, None])
+            logp = _scaled(logits[rows], ctx.temperature, shift=lse[rows])
             grad_logits[rows] = _logit_grad_(
                 logp,
                 targets[rows],
