@@ -70,6 +70,16 @@ def test_broken_tool_markup_comes_back_as_text(tokenizer):
     )
 
 
+def test_tool_choice_none_and_unusable_calls_come_back_as_text(tokenizer):
+    r = ChatRenderer(tokenizer, "qwen3")
+    call = tool_call_text("add", {"a": 1})
+    reply = r.parse(tokenizer.encode(call + "<|im_end|>"), PROMPT, None, parse_tools=False)
+    assert reply.tool_calls == [] and reply.content == call
+    not_an_object = '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>'
+    reply = r.parse(tokenizer.encode(not_an_object), PROMPT, None)
+    assert reply.tool_calls == [] and reply.content == not_an_object
+
+
 def test_stop_string_is_cut_from_the_reply(tokenizer):
     r = ChatRenderer(tokenizer, "qwen3")
     assert (

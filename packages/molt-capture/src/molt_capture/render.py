@@ -173,30 +173,29 @@ class ChatRenderer:
         text = self.decode(generated)
         if stop_string and stop_string in text:  # the client never sees its stop string
             text = text[: text.index(stop_string)]
+        if not parse_tools:  # tool_choice "none": the generated text is the answer, markup and all
+            return Reply(content=self._strip_special(text))
         try:
             msg = parse_response(text, self.response_template, prefix=prompt_text, tools=tools)
         except (ValueError, KeyError):
             # Malformed markup (e.g. broken JSON in a tool call) is the model's answer: return it
             # as text; the trace still holds exactly what was generated.
             return Reply(content=self._strip_special(text))
-        content = msg.get("content") or ""
         calls = []
         for raw in msg.get("tool_calls") or []:
             fn = raw.get("function") if isinstance(raw, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                return Reply(content=self._strip_special(text))
-            args = fn.get("arguments")
+            args = fn.get("arguments") if isinstance(fn, dict) else None
             if isinstance(args, str):
                 try:
                     args = json.loads(args)
                 except json.JSONDecodeError:
-                    args = {"_raw": args}
-            calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args or {}))
-        if not parse_tools and calls:
-            return Reply(content=self._strip_special(text), reasoning=msg.get("reasoning_content"))
-        return Reply(
-            content=content, reasoning=msg.get("reasoning_content") or None, tool_calls=calls
-        )
+                    args = None
+            if not isinstance(fn.get("name") if fn else None, str) or not isinstance(args, dict):
+                return Reply(content=self._strip_special(text))  # not a usable call: text
+            calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args))
+        # Response templates name the reasoning region `reasoning_content` (ours) or `thinking`.
+        reasoning = msg.get("reasoning_content") or msg.get("thinking") or None
+        return Reply(content=msg.get("content") or "", reasoning=reasoning, tool_calls=calls)
 
     def _strip_special(self, text: str) -> str:
         for tok in self.tokenizer.all_special_tokens:
