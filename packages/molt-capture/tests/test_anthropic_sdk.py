@@ -6,9 +6,15 @@ import asyncio
 
 import anthropic
 import pytest
-from conftest import ADD_TOOL_ANTHROPIC, anthropic_client, calls_of
 
-from molt_capture.testing import assert_token_exact, tool_call_text
+from molt_capture.testing import ADD_TOOL_ANTHROPIC, assert_token_exact, tool_call_text
+
+
+def anthropic_client(session, **kw) -> anthropic.Anthropic:
+    """A stock client pointed at the session, as an agent would build it."""
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return anthropic.Anthropic(base_url=session.base_url, **kw)
+
 
 USER = {"role": "user", "content": "What is 1+2?"}
 CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add", {"a": 1, "b": 2})
@@ -16,14 +22,14 @@ CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add
 
 def close(server, gen, session):
     segments = server.close_session(session.id)
-    assert_token_exact(segments, calls_of(gen, session))
+    assert_token_exact(segments, gen.calls_for(session.id))
     return segments
 
 
 def test_sync_tool_use_round_trip_with_thinking(server, gen):
     gen.set_replies([CALL, "The answer is 3."])
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     r1 = client.messages.create(
         model="m", max_tokens=200, system="Be brief.", messages=[USER], tools=[ADD_TOOL_ANTHROPIC]
     )
@@ -32,7 +38,7 @@ def test_sync_tool_use_round_trip_with_thinking(server, gen):
     thinking, text, tool_use = r1.content
     assert thinking.thinking == "I should add." and text.text == "Let me add."
     assert tool_use.name == "add" and tool_use.input == {"a": 1, "b": 2}
-    first = calls_of(gen, s)[0]
+    first = gen.calls_for(s.id)[0]
     assert r1.usage.input_tokens == len(first.token_ids)
     assert r1.usage.output_tokens == len(first.generation.token_ids)
     messages = [
@@ -58,7 +64,7 @@ def test_sync_tool_use_round_trip_with_thinking(server, gen):
 def test_streaming_events_feed_the_sdk_helper(server, gen):
     gen.set_replies([CALL])
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     with client.messages.stream(
         model="m", max_tokens=200, messages=[USER], tools=[ADD_TOOL_ANTHROPIC]
     ) as stream:
@@ -68,7 +74,7 @@ def test_streaming_events_feed_the_sdk_helper(server, gen):
     assert "content_block_start" in kinds and "message_delta" in kinds
     assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[2].input == {"a": 1, "b": 2} and final.stop_reason == "tool_use"
-    assert final.usage.output_tokens == len(calls_of(gen, s)[0].generation.token_ids)
+    assert final.usage.output_tokens == len(gen.calls_for(s.id)[0].generation.token_ids)
     close(server, gen, s)
 
 
@@ -97,7 +103,7 @@ def test_async_multi_turn_conversation(server, gen):
 def test_stop_sequences_and_max_tokens(server, gen):
     gen.set_replies(["alpha beta END gamma", "a b c d e f g h"])
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     r = client.messages.create(model="m", max_tokens=50, messages=[USER], stop_sequences=["END"])
     assert (
         r.stop_reason == "stop_sequence"
@@ -114,10 +120,10 @@ def test_stop_sequences_and_max_tokens(server, gen):
 def test_compaction_and_retry(server, gen):
     gen.set_replies(["One.", "Two."])
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     r = client.messages.create(model="m", max_tokens=50, messages=[USER])
     again = client.messages.create(model="m", max_tokens=50, messages=[USER])
-    assert again.content[0].text == r.content[0].text and len(calls_of(gen, s)) == 1
+    assert again.content[0].text == r.content[0].text and len(gen.calls_for(s.id)) == 1
     client.messages.create(
         model="m", max_tokens=50, messages=[{"role": "user", "content": "Summary: asked 1+2."}]
     )
@@ -126,7 +132,7 @@ def test_compaction_and_retry(server, gen):
 
 def test_count_tokens_matches_the_render(server, gen):
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     counted = client.messages.count_tokens(model="m", messages=[USER], tools=[ADD_TOOL_ANTHROPIC])
     r = client.messages.create(
         model="m", max_tokens=20, messages=[USER], tools=[ADD_TOOL_ANTHROPIC]
@@ -137,7 +143,7 @@ def test_count_tokens_matches_the_render(server, gen):
 
 def test_errors_reach_the_sdk_as_typed_exceptions(server, gen):
     s = server.open_session()
-    client = anthropic_client(server, s)
+    client = anthropic_client(s)
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         client.messages.create(
             model="m",

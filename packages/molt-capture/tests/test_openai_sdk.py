@@ -7,9 +7,15 @@ import json
 
 import openai
 import pytest
-from conftest import ADD_TOOL, calls_of, openai_client
 
-from molt_capture.testing import assert_token_exact, tool_call_text
+from molt_capture.testing import ADD_TOOL, assert_token_exact, tool_call_text
+
+
+def openai_client(session, **kw) -> openai.OpenAI:
+    """A stock client pointed at the session, as an agent would build it."""
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return openai.OpenAI(base_url=session.base_url, **kw)
+
 
 USER = {"role": "user", "content": "What is 1+2?"}
 CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add", {"a": 1, "b": 2})
@@ -17,14 +23,14 @@ CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add
 
 def close(server, gen, session):
     segments = server.close_session(session.id)
-    assert_token_exact(segments, calls_of(gen, session))
+    assert_token_exact(segments, gen.calls_for(session.id))
     return segments
 
 
 def test_sync_multi_turn_with_tools_and_reasoning(server, gen):
     gen.set_replies([CALL, "The answer is 3."])
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     messages = [USER]
     r1 = client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL])
     choice = r1.choices[0]
@@ -33,8 +39,8 @@ def test_sync_multi_turn_with_tools_and_reasoning(server, gen):
     assert choice.message.model_extra["reasoning_content"] == "I should add."
     (call,) = choice.message.tool_calls
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
-    assert r1.usage.completion_tokens == len(calls_of(gen, s)[0].generation.token_ids)
-    assert r1.usage.prompt_tokens == len(calls_of(gen, s)[0].token_ids)
+    assert r1.usage.completion_tokens == len(gen.calls_for(s.id)[0].generation.token_ids)
+    assert r1.usage.prompt_tokens == len(gen.calls_for(s.id)[0].token_ids)
     messages += [
         choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "3"},
@@ -81,7 +87,7 @@ def test_async_sessions_run_in_parallel(server, gen):
 def test_streaming_matches_the_non_streaming_reply(server, gen):
     gen.set_replies([CALL])
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     stream = client.chat.completions.create(
         model="m",
         messages=[USER],
@@ -90,13 +96,13 @@ def test_streaming_matches_the_non_streaming_reply(server, gen):
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
-    assert chunks[-1].usage.completion_tokens == len(calls_of(gen, s)[0].generation.token_ids)
+    assert chunks[-1].usage.completion_tokens == len(gen.calls_for(s.id)[0].generation.token_ids)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == "Let me add."
     # The SDK's stream helper accumulates the same message.
     s2 = server.open_session()
-    with openai_client(server, s2).chat.completions.stream(
+    with openai_client(s2).chat.completions.stream(
         model="m", messages=[USER], tools=[ADD_TOOL]
     ) as st:
         final = st.get_final_completion()
@@ -108,10 +114,10 @@ def test_streaming_matches_the_non_streaming_reply(server, gen):
 def test_stop_sequences_and_max_tokens(server, gen):
     gen.set_replies(["alpha beta END gamma", "a b c d e f g h"])
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     r = client.chat.completions.create(model="m", messages=[USER], stop=["END"])
     assert r.choices[0].message.content == "alpha beta" and r.choices[0].finish_reason == "stop"
-    assert calls_of(gen, s)[0].params.stop == ["END"]
+    assert gen.calls_for(s.id)[0].params.stop == ["END"]
     msgs = [
         USER,
         r.choices[0].message.model_dump(exclude_none=True),
@@ -128,7 +134,7 @@ def test_stop_sequences_and_max_tokens(server, gen):
 def test_compaction_gives_segments_of_one_rollout(server, gen):
     gen.set_replies(["One.", "Two.", "Three."])
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     msgs = [USER]
     for _ in range(2):
         r = client.chat.completions.create(model="m", messages=msgs)
@@ -146,11 +152,11 @@ def test_compaction_gives_segments_of_one_rollout(server, gen):
 def test_identical_retry_returns_the_cached_reply(server, gen):
     gen.set_replies(["One.", "Two."])
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     a = client.chat.completions.create(model="m", messages=[USER])
     b = client.chat.completions.create(model="m", messages=[USER])
     assert a.choices[0].message.content == b.choices[0].message.content == "One."
-    assert len(calls_of(gen, s)) == 1
+    assert len(gen.calls_for(s.id)) == 1
     assert len(close(server, gen, s)[0].turns) == 1
 
 
@@ -158,7 +164,7 @@ def test_sdk_retry_after_generator_failure_records_once(server, gen):
     gen.set_replies(["One."])
     gen.fail_next = RuntimeError("engine restarting")
     s = server.open_session()
-    client = openai_client(server, s).with_options(max_retries=2)
+    client = openai_client(s).with_options(max_retries=2)
     r = client.chat.completions.create(model="m", messages=[USER])
     assert r.choices[0].message.content == "One."
     assert len(close(server, gen, s)[0].turns) == 1
@@ -166,7 +172,7 @@ def test_sdk_retry_after_generator_failure_records_once(server, gen):
 
 def test_errors_reach_the_sdk_as_typed_exceptions(server, gen):
     s = server.open_session()
-    client = openai_client(server, s)
+    client = openai_client(s)
     with pytest.raises(openai.BadRequestError, match="group size"):
         client.chat.completions.create(model="m", messages=[USER], n=2)
     with pytest.raises(openai.BadRequestError, match="messages.0.role"):
@@ -186,5 +192,5 @@ def test_errors_reach_the_sdk_as_typed_exceptions(server, gen):
 
 def test_models_listing(server):
     s = server.open_session()
-    assert [m.id for m in openai_client(server, s).models.list()] == [server.model_name]
+    assert [m.id for m in openai_client(s).models.list()] == [server.model_name]
     server.close_session(s.id)

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import asyncio
 
+import anthropic
 import httpx
 import openai
 import pytest
-from conftest import USER_MSG, anthropic_client, openai_client
 
 from molt_capture import CaptureServer
 from molt_capture.testing import FakeGenerator
+
+USER_MSG = {"role": "user", "content": "What is 1+2?"}
+
+
+def openai_client(session, **kw) -> openai.OpenAI:
+    """A stock client pointed at the session, as an agent would build it."""
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return openai.OpenAI(base_url=session.base_url, **kw)
+
+
+def anthropic_client(session, **kw) -> anthropic.Anthropic:
+    """A stock client pointed at the session, as an agent would build it."""
+    kw = {"api_key": "any", "max_retries": 0, **kw}
+    return anthropic.Anthropic(base_url=session.base_url, **kw)
 
 
 def test_health_and_both_base_url_forms(server):
@@ -24,7 +38,7 @@ def test_health_and_both_base_url_forms(server):
         .message.content
         == "Hello!"
     )
-    assert [m.id for m in anthropic_client(server, s).models.list()] == [server.model_name]
+    assert [m.id for m in anthropic_client(s).models.list()] == [server.model_name]
     server.close_session(s.id)
 
 
@@ -63,10 +77,10 @@ def test_bearer_token(tokenizer):
     with CaptureServer(tokenizer, gen, api_key="secret") as server:
         s = server.open_session()
         with pytest.raises(openai.AuthenticationError):
-            openai_client(server, s).chat.completions.create(model="m", messages=[USER_MSG])
+            openai_client(s).chat.completions.create(model="m", messages=[USER_MSG])
         ok = openai.OpenAI(base_url=server.base_url(s.id), api_key="secret", max_retries=0)
         assert ok.chat.completions.create(model="m", messages=[USER_MSG]).choices[0].message.content
-        anthropic_ok = anthropic_client(server, s, api_key="secret")  # sends x-api-key
+        anthropic_ok = anthropic_client(s, api_key="secret")  # sends x-api-key
         assert anthropic_ok.messages.create(model="m", max_tokens=9, messages=[USER_MSG]).content
         assert server.host == "127.0.0.1"
 
@@ -75,7 +89,7 @@ def test_timeout_and_strict_temperature(tokenizer):
     gen = FakeGenerator(tokenizer, delay_s=0.5)
     with CaptureServer(tokenizer, gen, generator_timeout_s=0.05, strict_temperature=True) as server:
         s = server.open_session(temperature=0.8)
-        client = openai_client(server, s)
+        client = openai_client(s)
         with pytest.raises(openai.InternalServerError, match="timed out") as e:
             client.chat.completions.create(model="m", messages=[USER_MSG])
         assert e.value.status_code == 504

@@ -174,6 +174,9 @@ class FakeGenerator:
         self.fail_next: BaseException | None = None
         self._counter = 0
 
+    def calls_for(self, session_id: str) -> list[FakeCall]:
+        return [c for c in self.calls if c.session_id == session_id]
+
     def set_replies(
         self, replies: Iterable[str] | Callable[[list[int], SamplingParams], str]
     ) -> None:
@@ -223,6 +226,26 @@ class FakeGenerator:
 
 def _encode_plain(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# A tool to offer in tests, in each wire's form.
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+ADD_TOOL_ANTHROPIC = {
+    "name": "add",
+    "description": "Add two integers.",
+    "input_schema": ADD_TOOL["function"]["parameters"],
+}
 
 
 def tool_call_text(name: str, arguments: dict, compact: bool = False) -> str:
