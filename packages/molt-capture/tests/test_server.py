@@ -127,3 +127,23 @@ def test_turns_of_one_session_are_serialised(tokenizer):
 
         asyncio.run(burst())
     assert peak == 1 and len(fake.calls) == 4
+
+
+def test_full_context_answers_length_on_both_wires(server):
+    server.generator.set_replies(["word " * 100])
+    prompt = server.renderer.render([USER_MSG], None, add_generation_prompt=True)
+    s = server.open_session(max_len=len(server.renderer.encode(prompt)) + 8)
+    r = openai_client(s).chat.completions.create(model="m", messages=[USER_MSG], max_tokens=500)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    follow_up = [
+        USER_MSG,
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "more"},
+    ]
+    r = openai_client(s).chat.completions.create(model="m", messages=follow_up)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    anthropic_messages = [{"role": m["role"], "content": m["content"]} for m in follow_up]
+    a = anthropic_client(s).messages.create(model="m", max_tokens=50, messages=anthropic_messages)
+    assert a.stop_reason == "max_tokens" and a.usage.output_tokens == 0
+    (segment,) = server.close_session(s.id)
+    assert segment.truncated and len(segment) == segment.turns[0].end
