@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import anthropic
 import httpx
@@ -147,3 +149,22 @@ def test_full_context_answers_length_on_both_wires(server):
     assert a.stop_reason == "max_tokens" and a.usage.output_tokens == 0
     (segment,) = server.close_session(s.id)
     assert segment.truncated and len(segment) == segment.turns[0].end
+
+
+def test_close_waits_for_a_turn_in_flight(server):
+    server.generator.set_replies(["Late."])
+    server.generator.delay_s = 0.3
+    s = server.open_session()
+    reply = []
+    request = threading.Thread(
+        target=lambda: reply.append(
+            openai_client(s).chat.completions.create(model="m", messages=[USER_MSG])
+        )
+    )
+    request.start()
+    time.sleep(0.1)  # the turn is now waiting on the generator
+    (segment,) = server.close_session(s.id)
+    request.join()
+    assert len(segment.turns) == 1 and reply[0].choices[0].message.content == "Late."
+    with pytest.raises(openai.NotFoundError):
+        openai_client(s).chat.completions.create(model="m", messages=[USER_MSG])

@@ -8,6 +8,7 @@ appends `/chat/completions` and the Anthropic SDK `/v1/messages`, so both are se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import ipaddress
@@ -76,6 +77,7 @@ class CaptureServer:
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- the runner's session API -------------------------------------------------------
 
@@ -103,9 +105,20 @@ class CaptureServer:
     def base_url(self, session_id: str) -> str:
         return f"{self.url}/s/{session_id}"
 
-    def close_session(self, session_id: str) -> list[Segment]:
-        """Forget the session and hand back its token-exact segments, in order."""
-        return self.sessions.pop(session_id).segments()
+    def close_session(self, session_id: str, timeout_s: float | None = None) -> list[Segment]:
+        """Forget the session (later requests get 404) and hand back its token-exact segments,
+        in order. Called from another thread while serving, it first waits for a turn still in
+        flight to commit, so no generated turn is lost or read half-written."""
+        session = self.sessions.pop(session_id)
+        loop = self._loop
+        if loop is None or not loop.is_running() or threading.current_thread() is self._thread:
+            return session.segments()
+
+        async def settled() -> list[Segment]:
+            async with session.lock:
+                return session.segments()
+
+        return asyncio.run_coroutine_threadsafe(settled(), loop).result(timeout_s)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -132,8 +145,11 @@ class CaptureServer:
         return self
 
     def _serve(self) -> None:
+        # Our own loop (rather than uvicorn's run) so close_session can schedule onto it.
+        self._loop = asyncio.new_event_loop()
         with contextlib.suppress(SystemExit):  # uvicorn exits if it cannot bind; start() says so
-            self._server.run()
+            self._loop.run_until_complete(self._server.serve())
+        self._loop.close()
 
     def stop(self) -> None:
         if self._server is not None:
