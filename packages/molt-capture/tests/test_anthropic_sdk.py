@@ -171,3 +171,14 @@ def test_errors_reach_the_sdk_as_typed_exceptions(server, gen):
     assert close(server, gen, s) == []
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="m", max_tokens=5, messages=[USER])
+
+
+def test_plain_text_stream(server, gen):
+    gen.set_replies(["Just text."])
+    s = server.open_session()
+    with anthropic_client(s).messages.stream(model="m", max_tokens=50, messages=[USER]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "Just text." and final.stop_reason == "end_turn"
+    assert [b.type for b in final.content] == ["text"]
+    close(server, gen, s)

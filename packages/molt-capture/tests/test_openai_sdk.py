@@ -194,3 +194,26 @@ def test_models_listing(server):
     s = server.open_session()
     assert [m.id for m in openai_client(s).models.list()] == [server.model_name]
     server.close_session(s.id)
+
+
+def test_plain_streaming_and_tool_choice_none(server, gen):
+    gen.set_replies(["Just text.", CALL])
+    s = server.open_session()
+    client = openai_client(s)
+    with client.chat.completions.stream(model="m", messages=[USER]) as st:
+        final = st.get_final_completion()
+    assert (
+        final.choices[0].message.content == "Just text."
+        and final.choices[0].finish_reason == "stop"
+    )
+    msgs = [
+        USER,
+        {"role": "assistant", "content": "Just text."},
+        {"role": "user", "content": "Now?"},
+    ]
+    r = client.chat.completions.create(
+        model="m", messages=msgs, tools=[ADD_TOOL], tool_choice="none"
+    )
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert "<tool_call>" in r.choices[0].message.content  # the markup is returned as text
+    close(server, gen, s)
