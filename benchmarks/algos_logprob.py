@@ -74,7 +74,7 @@ def worker(args) -> dict:
         if args.variant == "naive":
             return naive(hidden, weight, targets, args.temperature, not args.no_entropy)
         return token_logprobs_and_entropy(
-            hidden, weight, targets, args.temperature, args.chunk_size, not args.no_entropy
+            hidden, weight, targets, args.temperature, args.chunk_size[0], not args.no_entropy
         )
 
     def step():
@@ -106,10 +106,11 @@ def worker(args) -> dict:
     return {"peak_bytes": peak, "seconds": statistics.median(times)}
 
 
-def run_case(args, variant: str, mode: str) -> dict:
+def run_case(args, variant: str, mode: str, chunk_size: int = 0) -> dict:
     command = [sys.executable, __file__, "--worker", f"--variant={variant}", f"--mode={mode}"]
-    for name in ["device", "dtype", "tokens", "vocab", "hidden", "chunk_size", "temperature"]:
-        command.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
+    command.append(f"--chunk-size={chunk_size}")
+    for name in ["device", "dtype", "tokens", "vocab", "hidden", "temperature"]:
+        command.append(f"--{name}={getattr(args, name)}")
     command.append(f"--repeats={args.repeats}")
     if args.no_entropy:
         command.append("--no-entropy")
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--chunk-size", type=int, nargs="+", default=[1024])
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--no-entropy", action="store_true", help="log-probs alone")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls after the first")
@@ -150,24 +151,28 @@ def main() -> None:
 
     print(
         f"{machine(args.device)}; T={args.tokens}, V={args.vocab}, H={args.hidden}, "
-        f"{args.dtype}, chunk_size={args.chunk_size}, temperature={args.temperature}, "
+        f"{args.dtype}, temperature={args.temperature}, "
         f"{'log-probs only' if args.no_entropy else 'log-probs and entropy'}; "
         f"time = median of {args.repeats} calls after the first\n"
     )
     print(
-        "| mode | naive time (s) | chunked time (s) | time chunked/naive "
+        "| mode | chunk_size | naive time (s) | chunked time (s) | time chunked/naive "
         "| naive peak (GiB) | chunked peak (GiB) | memory chunked/naive |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mode in args.modes:
-        naive_result, chunked_result = (run_case(args, v, mode) for v in VARIANTS)
-        print(
-            f"| {mode} | {naive_result['seconds']:.3f} | {chunked_result['seconds']:.3f} "
-            f"| {chunked_result['seconds'] / naive_result['seconds']:.2f} "
-            f"| {naive_result['peak_bytes'] / GIB:.2f} | {chunked_result['peak_bytes'] / GIB:.2f} "
-            f"| {chunked_result['peak_bytes'] / naive_result['peak_bytes']:.3f} |",
-            flush=True,
-        )
+        naive_result = run_case(args, "naive", mode)
+        for chunk_size in args.chunk_size:
+            chunked_result = run_case(args, "chunked", mode, chunk_size)
+            print(
+                f"| {mode} | {chunk_size} | {naive_result['seconds']:.3f} "
+                f"| {chunked_result['seconds']:.3f} "
+                f"| {chunked_result['seconds'] / naive_result['seconds']:.2f} "
+                f"| {naive_result['peak_bytes'] / GIB:.2f} "
+                f"| {chunked_result['peak_bytes'] / GIB:.2f} "
+                f"| {chunked_result['peak_bytes'] / naive_result['peak_bytes']:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

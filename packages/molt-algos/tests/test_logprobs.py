@@ -287,3 +287,32 @@ def test_any_shape_matches_naive(tokens, vocab, chunk_size, temperature, seed):
     want = grads_of(reference, [hidden, weight], a, b)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cuda_matches_naive(temperature):
+    """The CUDA path upcasts, scales and shifts in one fused op; same answers as on CPU."""
+    hidden, weight, targets = make_inputs(tokens=50, vocab=1000, width=64)
+    a, b = upstream(len(targets))
+
+    def chunked(h, w):
+        return token_logprobs_and_entropy(h, w, targets.cuda(), temperature, chunk_size=16)
+
+    def reference(h, w):
+        return naive(h.double() @ w.double().T, targets, temperature)
+
+    got = chunked(hidden.cuda(), weight.cuda())
+    for g, w in zip(got, reference(hidden, weight), strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-4)
+    got = grads_of(chunked, [hidden.cuda(), weight.cuda()], a.float().cuda(), b.float().cuda())
+    want = grads_of(reference, [hidden.double(), weight.double()], a, b)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-3, atol=1e-4)
+
+    logits = (hidden @ weight.T).bfloat16().cuda()
+    lp, entropy = logprobs_from_logits(logits, targets.cuda(), temperature, chunk_size=16)
+    want_lp, want_ent = naive(logits.float().cpu(), targets, temperature)
+    torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.cpu(), want_ent, rtol=1e-5, atol=1e-5)

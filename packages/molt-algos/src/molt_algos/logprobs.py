@@ -28,6 +28,7 @@ meaningful without the loss mask, so metrics such as mean entropy belong to the 
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -142,60 +143,99 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _scaled(logits: Tensor, temperature: float, shift: Tensor | None = None) -> Tensor:
-    """logits / τ (− shift[:, None]) as fresh float32 (float64) scratch, safe to overwrite."""
-    z = logits.to(_compute_dtype(logits), copy=True)  # a copy even when already float32
-    if temperature != 1.0:
-        z.div_(temperature)
-    if shift is not None:
-        z.sub_(shift[:, None])
-    return z
+def _log_softmax(logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log softmax(logits / τ), lse) of a block [N, V] of any dtype, in float32 (float64)."""
+    dtype = _compute_dtype(logits)
+    if temperature == 1.0:
+        # With dtype= the CUDA kernel reads bf16/fp16 and upcasts as it goes: no copy.
+        logp = torch.log_softmax(logits, dim=-1, dtype=dtype)
+    else:
+        logp = torch.log_softmax(logits.to(dtype, copy=True).div_(temperature), dim=-1)
+    # lse is read back at each row's maximum, where log p lies in [−log V, 0], so the
+    # subtraction loses nothing; log_softmax is one fused kernel where logsumexp is several.
+    top, argmax = logits.max(dim=-1)
+    lse = top.to(dtype) / temperature - logp.gather(1, argmax[:, None]).squeeze(1)
+    return logp, lse
 
 
 def _block_stats(
-    z: Tensor, targets: Tensor, compute_entropy: bool
+    logits: Tensor, targets: Tensor, temperature: float, compute_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(lse, log p of the targets, entropy) for a block of scaled logits [N, V] (scratch)."""
-    # log_softmax is one fused kernel where logsumexp is several. lse is read back at each row's
-    # maximum, where log p lies in [−log V, 0] so the subtraction loses nothing.
-    logp = torch.log_softmax(z, dim=-1)
-    z_max, argmax = z.max(dim=-1)
-    lse = z_max - logp.gather(1, argmax[:, None]).squeeze(1)
-    del z  # before the next block-sized allocation
+    """(lse, log p of the targets, entropy) for a block of raw logits [N, V]."""
+    logp, lse = _log_softmax(logits, temperature)
     target_logp = logp.gather(1, targets[:, None]).squeeze(1)
     entropy = -logp.exp().mul_(logp).sum(dim=-1) if compute_entropy else None
     return lse, target_logp, entropy
 
 
-def _logit_grad_(
-    logp: Tensor,
-    target_cols: Tensor,
-    grad_logprobs: Tensor | None,
-    grad_entropy: Tensor | None,
-    entropy: Tensor | None,
-    temperature: float,
-) -> Tensor:
-    """Turn a float32 block of log p [N, C] into ∂L/∂logits for the same block, in place.
+def _log_probs(logits: Tensor, lse: Tensor, temperature: float) -> Tensor:
+    """log p = logits / τ − lse for a block, as fresh float32 (float64) scratch."""
+    if logits.device.type == "cuda":
+        # CUDA kernels cast their inputs on the fly: upcast, scale and shift in one pass.
+        return torch.add(-lse[:, None], logits, alpha=1.0 / temperature)
+    # On CPU a mixed-dtype add would first make a float32 copy of its own; make it ours instead.
+    z = logits.to(_compute_dtype(logits), copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z.sub_(lse[:, None])
+
+
+class _Coefficients(NamedTuple):
+    """Per-row terms of ∂L/∂logits, fixed for the whole backward pass.
+
+    With g = (∂L/∂lp) / τ and e = (∂L/∂H) / τ (the chain rule's 1/τ folded in), every logit v of
+    row t has ∂L/∂logits_tv = p_tv (a_t log p_tv + c_t) + g_t 1[v = y_t], a = −e, c = −e H − g
+    (a is None when no gradient reaches the entropy). `at_target` is that value at v = y_t,
+    computed once in full precision from the saved lp_t; it is written over the target column
+    after the rest of the block has been rounded to the input dtype, so the cancellation in
+    g (1 − p) never happens in bf16.
+    """
+
+    a: Tensor | None
+    c: Tensor
+    at_target: Tensor
+
+    def rows(self, rows: slice) -> "_Coefficients":
+        return _Coefficients(*(None if x is None else x[rows] for x in self))
+
+
+def _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, temperature) -> _Coefficients:
+    dtype = logprobs.dtype
+    g = torch.zeros_like(logprobs) if grad_logprobs is None else grad_logprobs.to(dtype)
+    g = g / temperature
+    if grad_entropy is None:
+        a, c = None, -g
+        at_target = logprobs.exp() * c + g
+    else:
+        a = -grad_entropy.to(dtype) / temperature
+        c = a * entropy - g
+        at_target = logprobs.exp() * (a * logprobs + c) + g
+    return _Coefficients(a, c, at_target)
+
+
+def _logit_grad(logp: Tensor, k: _Coefficients, target_cols: Tensor, out: Tensor) -> Tensor:
+    """∂L/∂logits for a block, written into `out` (input dtype); `logp` is scratch.
 
     `target_cols` is each row's target column within the block; rows whose target falls outside
-    the block (a vocabulary slice) carry any out-of-range value and get no one-hot term.
+    the block (a vocabulary slice) carry any out-of-range value and keep their computed value.
     """
-    # With g = grad_logprobs / τ and e = grad_entropy / τ (the chain rule's 1/τ folded in):
-    # ∂L/∂logits = p ⊙ (−e log p − e H − g) + g·one-hot.
-    g = None if grad_logprobs is None else (grad_logprobs / temperature)[:, None]
-    if grad_entropy is None:
-        grad = logp.exp_().mul_(-g)
+    if k.a is None:
+        torch.mul(logp.exp_(), k.c[:, None], out=out)
     else:
-        e = (grad_entropy / temperature)[:, None]
-        offset = -e * entropy[:, None] if g is None else -e * entropy[:, None] - g
         p = logp.exp()
-        grad = logp.mul_(-e).add_(offset).mul_(p)
-    if g is not None:
-        # A where() rather than a boolean index keeps the step free of device-to-host syncs.
-        inside = (target_cols >= 0) & (target_cols < grad.shape[1])
-        cols = target_cols.clamp(0, max(grad.shape[1] - 1, 0))[:, None]
-        grad.scatter_add_(1, cols, torch.where(inside[:, None], g, 0.0).to(grad.dtype))
-    return grad
+        torch.addcmul(k.c[:, None], logp, k.a[:, None], out=logp)  # a log p + c, in place
+        torch.mul(logp, p, out=out)
+    # A where() rather than a boolean index keeps the step free of device-to-host syncs.
+    inside = (target_cols >= 0) & (target_cols < out.shape[1])
+    cols = target_cols.clamp(0, max(out.shape[1] - 1, 0))[:, None]
+    kept = out.gather(1, cols).squeeze(1)
+    out.scatter_(1, cols, torch.where(inside, k.at_target.to(out.dtype), kept)[:, None])
+    return out
+
+
+def _buffer_for(logp: Tensor, dtype: torch.dtype) -> Tensor:
+    """Where a block's gradient goes: over log p itself when the dtypes agree."""
+    return logp if logp.dtype == dtype else torch.empty_like(logp, dtype=dtype)
 
 
 class _HiddenLogprobs(torch.autograd.Function):
@@ -214,15 +254,14 @@ class _HiddenLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(lse) if compute_entropy else None
         for start in range(0, n_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
-            # Passed on without a name, so each block-sized temporary is freed as soon as it can be.
             lse[rows], logprobs[rows], block_entropy = _block_stats(
-                _scaled(hidden[rows] @ weight.T, temperature), targets[rows], compute_entropy
+                hidden[rows] @ weight.T, targets[rows], temperature, compute_entropy
             )
             if compute_entropy:
                 entropy[rows] = block_entropy
 
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, logprobs, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         return (logprobs, entropy) if compute_entropy else logprobs
@@ -230,10 +269,11 @@ class _HiddenLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy=None):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, logprobs, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
+        k = _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, ctx.temperature)
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         # Same number of logits per slice as per forward block.
         width = min(vocab, math.ceil(ctx.chunk_size * vocab / max(n_tokens, 1)))
@@ -242,10 +282,8 @@ class _HiddenLogprobs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, width):
             cols = slice(start, start + width)
-            logp = _scaled(hidden @ weight[cols].T, ctx.temperature, shift=lse)
-            grad = _logit_grad_(
-                logp, targets - start, grad_logprobs, grad_entropy, entropy, ctx.temperature
-            ).to(hidden.dtype)
+            logp = _log_probs(hidden @ weight[cols].T, lse, ctx.temperature)
+            grad = _logit_grad(logp, k, targets - start, _buffer_for(logp, hidden.dtype))
             if need_weight:
                 grad_weight[cols] = grad.T @ hidden
             if need_hidden:
@@ -267,13 +305,13 @@ class _LogitsLogprobs(torch.autograd.Function):
         for start in range(0, n_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
             lse[rows], logprobs[rows], block_entropy = _block_stats(
-                _scaled(logits[rows], temperature), targets[rows], compute_entropy
+                logits[rows], targets[rows], temperature, compute_entropy
             )
             if compute_entropy:
                 entropy[rows] = block_entropy
 
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.save_for_backward(logits, targets, lse, logprobs, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         return (logprobs, entropy) if compute_entropy else logprobs
@@ -281,19 +319,13 @@ class _LogitsLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy=None):
-        logits, targets, lse, entropy = ctx.saved_tensors
+        logits, targets, lse, logprobs, entropy = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None
+        k = _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, ctx.temperature)
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            logp = _scaled(logits[rows], ctx.temperature, shift=lse[rows])
-            grad_logits[rows] = _logit_grad_(
-                logp,
-                targets[rows],
-                None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                None if entropy is None else entropy[rows],
-                ctx.temperature,
-            )
+            logp = _log_probs(logits[rows], lse[rows], ctx.temperature)
+            _logit_grad(logp, k.rows(rows), targets[rows], out=grad_logits[rows])
         return grad_logits, None, None, None, None
