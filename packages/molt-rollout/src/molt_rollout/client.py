@@ -5,6 +5,12 @@ per-token weight versions and routed experts out. Requests go through the router
 rollout's session id, so a rollout stays on one engine. Every call has a timeout; transient
 errors (connection failures, 5xx) are retried a bounded number of times with backoff; a 4xx
 fails at once with the engine's own message.
+
+Prefix cache and refits. Each request carries `cache_salt = molt-v<weight version>`, the
+engine's version read just before sending, so a request never reuses prefix-cache blocks
+computed under other weights, while requests kept in flight across a refit keep their own KV.
+A refit can land between the version read and the prefill; the reply's first token then
+reports a newer version than the salt, and the request is sent again with the new salt.
 """
 
 import asyncio
@@ -15,6 +21,7 @@ from molt_capture.types import Generation, SamplingParams
 from molt_rollout.router import SESSION_HEADER
 
 GENERATE_PATH = "/inference/v1/generate"
+MAX_VERSION_RACES = 2
 INITIAL_VERSION = "default"  # what vLLM reports before any refit: Molt's version 0
 
 
@@ -59,6 +66,8 @@ class TokenClient:
     def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
                  backoff_s: float = 0.5) -> None:  # fmt: skip
         self.url = base_url.rstrip("/") + GENERATE_PATH
+        self.version_url = base_url.rstrip("/") + "/weight_info"
+        self.version_races = 0  # requests re-sent because a refit landed mid-request
         self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                       limits=httpx.Limits(max_connections=None))  # fmt: skip
@@ -66,6 +75,7 @@ class TokenClient:
     async def __call__(
         self, token_ids: list[int], params: SamplingParams, session_id: str
     ) -> Generation:
+        headers = {SESSION_HEADER: session_id}
         body = {
             "model": self.model,
             "token_ids": list(token_ids),
@@ -78,19 +88,32 @@ class TokenClient:
                 "skip_special_tokens": False,
             },
         }
-        headers = {SESSION_HEADER: session_id}
+        for _ in range(MAX_VERSION_RACES + 1):
+            version = weight_version_number(
+                (await self._request("GET", self.version_url, headers))["weight_version"]
+            )
+            body["cache_salt"] = f"molt-v{version}"
+            generation = parse_generation(await self._request("POST", self.url, headers, body))
+            if not generation.weight_versions or generation.weight_versions[0] == version:
+                return generation
+            self.version_races += 1
+        raise GenerationError(
+            f"weights changed during {MAX_VERSION_RACES + 1} consecutive requests"
+        )
+
+    async def _request(
+        self, method: str, url: str, headers: dict, body: dict | None = None
+    ) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self.http.post(self.url, json=body, headers=headers)
+                response = await self.http.request(method, url, json=body, headers=headers)
             except httpx.TimeoutException as error:
-                raise GenerationError(
-                    f"generate timed out ({error!r}); session {session_id}"
-                ) from error
+                raise GenerationError(f"{url} timed out ({error!r})") from error
             except httpx.TransportError as error:
                 failure = f"connection error {error!r}"
             else:
                 if response.status_code < 400:
-                    return parse_generation(response.json())
+                    return response.json()
                 if response.status_code < 500:
                     raise GenerationError(
                         f"engine refused the request ({response.status_code}): {response.text}"
@@ -98,7 +121,7 @@ class TokenClient:
                 failure = f"engine error {response.status_code}: {response.text[:500]}"
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise GenerationError(f"generate failed after {self.max_retries + 1} attempts: {failure}")
+        raise GenerationError(f"{url} failed after {self.max_retries + 1} attempts: {failure}")
 
     async def aclose(self) -> None:
         await self.http.aclose()

