@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 import torch
-from molt_capture.types import SamplingParams
 from safetensors.torch import load_file
 
+from molt_capture.types import SamplingParams
 from molt_rollout.client import GENERATE_PATH
 from molt_rollout.router import SESSION_HEADER
 
