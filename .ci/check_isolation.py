@@ -48,7 +48,9 @@ def main() -> int:
     if extra:
         print(f"{package} pulled in distributions beyond {allowed}: {extra}")
         return 1
-    print(f"{package}: {len(installed)} distributions installed, all within {allowed} (+ their deps)")
+    print(
+        f"{package}: {len(installed)} distributions installed, all within {allowed} (+ their deps)"
+    )
     return 0
 
 
