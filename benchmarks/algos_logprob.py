@@ -2,20 +2,24 @@
 
     python benchmarks/algos_logprob.py                  # cuda when present, else cpu
     python benchmarks/algos_logprob.py --device cpu --tokens 8192 --vocab 151936 --hidden 2048
+    python benchmarks/algos_logprob.py --chunk-size 1024 2048 --no-entropy
 
 Both variants compute, for T tokens, log π(y_t) and the entropy of softmax(h_t Wᵀ / τ) with
-W [V, H]. `naive` materialises the [T, V] logits and upcasts them to float32 as one tensor, then
-log_softmax, gather and -Σ p log p over the whole batch; `chunked` is
-molt_algos.logprobs.token_logprobs_and_entropy. Two modes: `forward` (no autograd, as for
-old-policy or reference log-probs) and `forward+backward` (the gradient of Σ (lp + H) reaches
-both the hidden states and the LM-head weight, as in a policy-loss step with an entropy term).
+W [V, H], from bf16 hidden states and weight by default. `naive` materialises the [T, V] logits
+and upcasts them to float32 as one tensor, then log_softmax, gather and -Σ p log p over the whole
+batch; `chunked` is molt_algos.logprobs.token_logprobs_and_entropy, once per --chunk-size given.
+Two modes: `forward` (no autograd, as for old-policy or reference log-probs) and
+`forward+backward` (the gradient of Σ (lp + H) reaches both the hidden states and the LM-head
+weight, as in a policy-loss step with an entropy term). --no-entropy leaves the entropy out of
+both variants.
 
-Every (variant, mode) pair runs in a fresh subprocess so that one cannot inherit the other's
-memory. Peak memory is what the call needs beyond its inputs (hidden, weight, targets); the
-gradients of hidden and weight, which both variants return, count towards it. On CPU it is the
-process's peak resident set (VmHWM, reset with /proc/self/clear_refs just before the first call)
-minus the resident set before it; on CUDA it is torch.cuda.max_memory_allocated minus the memory
-allocated before it. Memory is read on the first call; time is the median of the later calls.
+Every (variant, mode, chunk size) runs in a fresh subprocess so that one cannot inherit the
+other's memory. Peak memory is what the call needs beyond its inputs (hidden, weight, targets);
+the gradients of hidden and weight, which both variants return, count towards it. On CPU it is
+the process's peak resident set (VmHWM, reset through /proc/self/clear_refs just before the first
+call) minus the resident set before it; on CUDA it is torch.cuda.max_memory_allocated minus the
+memory allocated before it. Memory is read on the first call; time is the median of the calls
+after it (--repeats).
 """
 
 import argparse
