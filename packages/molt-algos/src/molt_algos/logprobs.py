@@ -12,8 +12,9 @@ engine samples from (vLLM's processed logprobs). A naive implementation holds z 
 batch in float32, T·V·4 bytes (5 GB at T = 8192, V = 151,936), and autograd keeps several
 tensors of that size for the backward pass. Here the forward pass walks the tokens in blocks of
 `chunk_size` rows and keeps only lse, lp and H per token; the backward pass recomputes the logits
-block by block from the saved inputs. Logits are produced in the input dtype (as the model's own
-matmul would) and upcast to float32 one block at a time.
+block by block from the saved inputs (one extra matmul, traded for the memory). Logits are
+produced in the input dtype (as the model's own matmul would) and upcast to float32 one block at
+a time; gradients are handed back in the input dtype, as autograd would.
 
 Gradients, with g_t and e_t the upstream gradients of lp_t and H_t:
 
@@ -57,9 +58,10 @@ def token_logprobs_and_entropy(
         compute_entropy: when False, skip the entropy and return None in its place.
 
     Returns:
-        (logprobs, entropy), float32 (float64 for float64 input) with shape [...]. Both carry gradients to `hidden` and
-        `lm_head_weight` (whichever require them); the gradient of the weight is computed in one
-        matmul per vocabulary slice, so it is rounded to the weight's dtype once, like autograd's.
+        (logprobs, entropy), float32 (float64 for float64 input) with shape [...]. Both carry
+        gradients to `hidden` and `lm_head_weight` (whichever require them); the gradient of the
+        weight is one matmul per vocabulary slice, so it is rounded to the weight's dtype once,
+        like autograd's.
     """
     _check_temperature_and_chunk(temperature, chunk_size)
     if hidden.shape[-1] != lm_head_weight.shape[1] or lm_head_weight.dim() != 2:
@@ -285,9 +287,10 @@ class _HiddenLogprobs(torch.autograd.Function):
             logp = _log_probs(hidden @ weight[cols].T, lse, ctx.temperature)
             grad = _logit_grad(logp, k, targets - start, _buffer_for(logp, hidden.dtype))
             if need_weight:
-                grad_weight[cols] = grad.T @ hidden
+                torch.mm(grad.T, hidden, out=grad_weight[cols])
             if need_hidden:
                 grad_hidden += grad @ weight[cols]
+            del logp, grad  # before the next slice's allocations, not after them
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None
