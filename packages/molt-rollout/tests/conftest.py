@@ -56,7 +56,7 @@ class FakeEngine:
     versions: what /weight_info answers, one per call; the last one repeats.
     info_failures: how many /weight_info calls answer 503 first.
     actions: one per generate call, then "ok" for ever: "ok", "drop", ("status", code, message),
-        ("sleep", seconds) then ok, ("reply", dict) verbatim.
+        ("sleep", seconds) then ok unless the client disconnects first, ("reply", dict) verbatim.
     spans: weight-version spans per ok reply, one list per call; then one span of the version
         /weight_info last served, over every token.
     """
@@ -68,11 +68,12 @@ class FakeEngine:
     spans: list[list[dict]] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     served_version: str = "default"
+    disconnects: int = 0  # sleeping requests whose client went away
 
     def reset(self) -> None:
         self.versions, self.info_failures = ["default"], 0
         self.actions, self.spans, self.calls = [], [], []
-        self.served_version = "default"
+        self.served_version, self.disconnects = "default", 0
 
     def generate_calls(self) -> list[Call]:
         return [c for c in self.calls if c.path == GENERATE]
@@ -117,7 +118,7 @@ class FakeEngine:
             ],
         }
 
-    async def generate(self, body: dict) -> Response:
+    async def generate(self, body: dict, request: Request) -> Response:
         action = self.actions.pop(0) if self.actions else "ok"
         if action == "drop":
             return DroppedConnection()
@@ -128,7 +129,12 @@ class FakeEngine:
                 status_code=code,
             )
         if isinstance(action, tuple) and action[0] == "sleep":
-            await asyncio.sleep(action[1])
+            deadline = time.monotonic() + action[1]
+            while time.monotonic() < deadline:  # stop early once the client has gone
+                if await request.is_disconnected():
+                    self.disconnects += 1
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
         if isinstance(action, tuple) and action[0] == "reply":
             return JSONResponse(action[1])
         return JSONResponse(self.reply(body))
@@ -146,7 +152,7 @@ def make_app(engine: FakeEngine) -> FastAPI:
     async def generate(request: Request):
         body = await request.json()
         engine.calls.append(Call("POST", GENERATE, dict(request.headers), body))
-        return await engine.generate(body)
+        return await engine.generate(body, request)
 
     return app
 
