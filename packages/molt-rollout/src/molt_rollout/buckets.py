@@ -2,14 +2,33 @@
 
 The refit sender groups a model's tensors into buckets of about `bucket_bytes` and ships each
 bucket as one transfer with one metadata record (names, dtypes, shapes), never one call per
-tensor. Both ends of the CPU transport use these two functions, so they cannot disagree on
-the layout: tensors back to back, each in its own dtype's bytes, in metadata order.
+tensor. Both ends of the CPU transport use these functions, so they cannot disagree on the
+layout: tensors in metadata order, each in its own dtype's bytes, each starting at a multiple
+of ALIGN bytes so the receiver can view it in place whatever its dtype.
 """
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+ALIGN = 16  # bytes; a multiple of every dtype's item size
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _layout(sizes: list[int]) -> list[tuple[int, int]]:
+    out, offset = [], 0
+    for nbytes in sizes:
+        out.append((offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    return out
+
+
+def _total(layout: list[tuple[int, int]]) -> int:
+    return _aligned(sum(layout[-1])) if layout else 0
 
 
 @dataclass
@@ -18,11 +37,16 @@ class BucketMeta:
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
 
-    def numbytes(self) -> int:
-        return sum(
+    def layout(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of each tensor in the packed buffer."""
+        sizes = [
             torch.Size(shape).numel() * getattr(torch, dtype).itemsize
             for dtype, shape in zip(self.dtype_names, self.shapes, strict=True)
-        )
+        ]
+        return _layout(sizes)
+
+    def numbytes(self) -> int:
+        return _total(self.layout())
 
 
 def iter_buckets(
@@ -46,18 +70,24 @@ def iter_buckets(
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat uint8 buffer holding the tensors' bytes back to back."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    """One flat uint8 buffer holding the tensors' bytes at their aligned offsets."""
+    layout = _layout([t.numel() * t.element_size() for t in tensors])
+    buffer = torch.zeros(_total(layout), dtype=torch.uint8, device=tensors[0].device)
+    for (offset, nbytes), tensor in zip(layout, tensors, strict=True):
+        buffer[offset : offset + nbytes] = (
+            tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        )
+    return buffer
 
 
 def unpack(buffer: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
     """The inverse of `pack`, as (name, tensor) views into `buffer`."""
-    out, offset = [], 0
-    for name, dtype_name, shape in zip(meta.names, meta.dtype_names, meta.shapes, strict=True):
+    if buffer.numel() != meta.numbytes():
+        raise ValueError(f"bucket holds {buffer.numel()} bytes but its metadata {meta.numbytes()}")
+    out = []
+    for name, dtype_name, shape, (offset, nbytes) in zip(
+        meta.names, meta.dtype_names, meta.shapes, meta.layout(), strict=True
+    ):
         dtype = getattr(torch, dtype_name)
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
         out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
-    if offset != buffer.numel():
-        raise ValueError(f"bucket holds {buffer.numel()} bytes but its metadata {offset}")
     return out

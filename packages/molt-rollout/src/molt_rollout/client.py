@@ -14,8 +14,11 @@ reports a newer version than the salt, and the request is sent again with the ne
 """
 
 import asyncio
+import base64
+import io
 
 import httpx
+import numpy as np
 
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.router import SESSION_HEADER
@@ -33,31 +36,54 @@ def weight_version_number(version: str) -> int:
     return 0 if version == INITIAL_VERSION else int(version)
 
 
-def parse_generation(reply: dict) -> Generation:
-    """One vLLM generate reply -> Generation, checking every per-token list's length."""
+def parse_generation(reply: dict, prompt_len: int = 0) -> Generation:
+    """One vLLM generate reply -> Generation, checking every per-token list against the ids."""
     choice = reply["choices"][0]
     token_ids = list(choice["token_ids"])
+    n = len(token_ids)
     entries = (choice.get("logprobs") or {}).get("content") or []
-    if len(entries) != len(token_ids):
-        raise GenerationError(
-            f"engine returned {len(token_ids)} tokens but {len(entries)} log-probs"
-        )
+    if len(entries) != n:
+        raise GenerationError(f"engine returned {n} tokens but {len(entries)} log-probs")
     versions: list[int] = []
     for span in choice.get("weight_versions") or []:
+        if span["start"] != len(versions):
+            raise GenerationError(
+                f"weight-version spans do not tile the output: {choice['weight_versions']}"
+            )
         versions += [weight_version_number(span["version"])] * (span["end"] - span["start"])
-    if len(versions) != len(token_ids):
+    if len(versions) != n:
         raise GenerationError(
-            f"engine returned {len(token_ids)} tokens but weight-version spans cover {len(versions)}"
+            f"engine returned {n} tokens but weight-version spans cover {len(versions)}"
         )
-    routed = choice.get("routed_experts")
     return Generation(
         token_ids=token_ids,
         logprobs=[float(e["logprob"]) for e in entries],
         finish_reason=choice.get("finish_reason") or "stop",
         weight_versions=versions,
-        routed_experts=routed if routed else None,
+        routed_experts=parse_routed_experts(choice.get("routed_experts"), prompt_len, n),
         stop_reason=choice.get("stop_reason"),
     )
+
+
+def parse_routed_experts(encoded: str | list | None, prompt_len: int, n: int) -> list | None:
+    """vLLM sends the experts each position was routed to as base64 `.npy` bytes, shape
+    [positions run through the model, layers, top_k]: the prompt and every generated token but
+    the last (sampled, never run). Returns one row per generated token; the last is None."""
+    if not encoded:
+        return None
+    if isinstance(encoded, list):  # already rows (e.g. a recorded reply)
+        rows = encoded
+    else:
+        rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False).tolist()
+    if len(rows) == prompt_len + n - 1:
+        rows = rows[prompt_len:]
+    if len(rows) == n - 1:
+        rows = rows + [None]
+    if len(rows) != n:
+        raise GenerationError(
+            f"{len(rows)} routed-expert rows for {prompt_len} prompt + {n} generated tokens"
+        )
+    return rows
 
 
 class TokenClient:
@@ -93,7 +119,8 @@ class TokenClient:
                 (await self._request("GET", self.version_url, headers))["weight_version"]
             )
             body["cache_salt"] = f"molt-v{version}"
-            generation = parse_generation(await self._request("POST", self.url, headers, body))
+            reply = await self._request("POST", self.url, headers, body)
+            generation = parse_generation(reply, prompt_len=len(token_ids))
             if not generation.weight_versions or generation.weight_versions[0] == version:
                 return generation
             self.version_races += 1
@@ -107,13 +134,18 @@ class TokenClient:
         for attempt in range(self.max_retries + 1):
             try:
                 response = await self.http.request(method, url, json=body, headers=headers)
-            except httpx.TimeoutException as error:
+            except (httpx.ReadTimeout, httpx.WriteTimeout) as error:  # the engine is stuck
                 raise GenerationError(f"{url} timed out ({error!r})") from error
             except httpx.TransportError as error:
                 failure = f"connection error {error!r}"
             else:
                 if response.status_code < 400:
-                    return response.json()
+                    try:
+                        return response.json()
+                    except ValueError as error:
+                        raise GenerationError(
+                            f"{url} answered non-JSON: {response.text[:200]}"
+                        ) from error
                 if response.status_code < 500:
                     raise GenerationError(
                         f"engine refused the request ({response.status_code}): {response.text}"

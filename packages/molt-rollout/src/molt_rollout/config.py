@@ -69,6 +69,13 @@ def validate_rollout_config(vllm: VLLMConfig, router: RouterConfig, refit: Refit
             "reports are not aligned 1:1 with the sampled tokens; routing replay needs them "
             "aligned. Disable one of the two."
         )
+    if vllm.max_retries < 0:
+        raise ValueError("--vllm.max_retries must be >= 0")
+    for name in ("startup_timeout_s", "request_timeout_s"):
+        if getattr(vllm, name) <= 0:
+            raise ValueError(f"--vllm.{name} must be > 0")
+    if refit.timeout_s <= 0 or router.startup_timeout_s <= 0:
+        raise ValueError("--refit.timeout_s and --router.startup_timeout_s must be > 0")
     if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
     if router.policy not in ROUTER_POLICIES:

@@ -5,7 +5,7 @@ gloo process group, so the same refit orchestration (init once; per refit start,
 bucket, finish) runs on CPU engines in CI. It is registered, never patched in: the
 `vllm.general_plugins` entry point `molt_cpu_weight_transfer` calls `register()` in every vLLM
 process, and an engine started with `--weight-transfer-config '{"backend": "molt_gloo"}'`
-creates it. The trainer side is `molt_rollout.refit.GlooSender`.
+creates it. The trainer side is `molt_rollout.refit.GlooTransport`.
 """
 
 import contextlib

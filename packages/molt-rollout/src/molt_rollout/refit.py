@@ -55,7 +55,10 @@ class EngineControl:
         return response.json() if response.content else {}
 
     def weight_version(self) -> str:
-        return self.http.get("/weight_info").json()["weight_version"]
+        try:
+            return self.http.get("/weight_info").json()["weight_version"]
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            raise RefitError(f"{self.url}/weight_info failed: {error!r}") from error
 
     def checksums(self) -> dict[str, str]:
         return self.post("/weight_checker", {"action": "checksum"})["checksums"]
@@ -164,7 +167,7 @@ class Refitter:
     def refit(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> dict[str, float]:
-        """pause(keep) -> transfer in buckets -> finish with `version` -> reset cache -> resume."""
+        """pause(keep) -> transfer in buckets -> finish with `version` -> resume."""
         times: dict[str, float] = {}
         start = last = time.perf_counter()
 
