@@ -76,7 +76,9 @@ async def direct_run(service, requests, concurrency):
             n = len((await client(*request)).token_ids)
             tokens += n
             if os.environ.get("BENCH_DEBUG"):
-                print(f"direct {len(request[0])} prompt ids, {n} tokens, {time.perf_counter() - t:.2f}s")
+                print(
+                    f"direct {len(request[0])} prompt ids, {n} tokens, {time.perf_counter() - t:.2f}s"
+                )
 
     start = time.perf_counter()
     await asyncio.gather(*(one(r) for r in requests))
@@ -94,7 +96,9 @@ def main():
     parser.add_argument("--refits", type=int, default=3)
     args = parser.parse_args()
 
-    ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2, object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False
+    )
     model = str(build_tiny_model(os.path.join(tempfile.gettempdir(), "molt-bench-tiny")))
     vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32")
     service = RolloutService.start(model, vllm, RouterConfig(), RefitConfig(), tempfile.mkdtemp())
@@ -121,7 +125,9 @@ def main():
     print("| mode | generated tokens/s (runs) | mean |")
     print("|---|---|---|")
     print(f"| direct (token client) | {', '.join(f'{r:.0f}' for r in direct_rates)} | {d:.0f} |")
-    print(f"| capture (stock OpenAI SDK) | {', '.join(f'{r:.0f}' for r in capture_rates)} | {c:.0f} |")
+    print(
+        f"| capture (stock OpenAI SDK) | {', '.join(f'{r:.0f}' for r in capture_rates)} | {c:.0f} |"
+    )
     print(f"\ncapture / direct = {c / d:.3f}")
     phases = [k for k in refits[0] if k.startswith("timing/")]
     print("\n| refit phase | " + " | ".join(f"run {i + 1} ms" for i in range(len(refits))) + " |")
