@@ -160,3 +160,18 @@ def test_no_prefix_cache_reuse_across_refit(rollout, weights):
     generate(rollout, prompt, session, max_tokens=1)
     after = hits()
     assert after[engine] - before[engine] == 0, "a new request reused KV computed under old weights"
+
+
+def test_report_unupdated_names_parameters_a_refit_left_unchanged(rollout, weights):
+    perturbed = {k: v + 0.1 if k == "lm_head.weight" else v for k, v in weights.items()}
+    rollout.refitter.cfg.report_unupdated = True
+    try:
+        timings = refit_with(rollout, perturbed, 5)
+        unchanged = rollout.refitter.last_unupdated
+        assert timings["refit/unupdated_params"] == len(unchanged) > 0
+        assert not any("lm_head" in name for name in unchanged)  # the one tensor that changed
+        assert any("embed_tokens" in name for name in unchanged)
+        refit_with(rollout, weights, 6)  # lm_head back: it changes again, the rest does not
+        assert not any("lm_head" in name for name in rollout.refitter.last_unupdated)
+    finally:
+        rollout.refitter.cfg.report_unupdated = False

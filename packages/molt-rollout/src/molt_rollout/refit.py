@@ -135,6 +135,7 @@ class Refitter:
         else:
             self.transport = GlooTransport(world_size, cfg.timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)))
+        self.last_unupdated: list[str] = []  # with --refit.report_unupdated: the last refit's
 
     def _on_all(self, call: Callable[[EngineControl], object]) -> list:
         futures = [self.pool.submit(call, engine) for engine in self.engines]
