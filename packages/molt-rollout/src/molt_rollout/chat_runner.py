@@ -1,0 +1,177 @@
+"""The chat runner: the agent owns its LLM loop through a stock SDK; the capture server records.
+
+One loopback `CaptureServer` per runner (one runner per agent-runner process), started on first
+use. Per rollout: open a session, hand the agent its URL in a `ChatContext`, await `agent.run`
+within the deadline, close the session, and put its token-exact segments (several after context
+compaction) into one `Rollout` with the agent's reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from typing import Any
+
+from molt_capture import CaptureServer, Generator, Session
+from molt_capture.types import Rollout, Segment
+
+from .agent import (
+    ChatAgent,
+    ChatContext,
+    Dropped,
+    Result,
+    RolloutDropped,
+    RunnerConfig,
+    canonical_tools,
+    check_result,
+    describe,
+    numeric_info,
+    row_messages,
+    within_deadline,
+)
+
+# How long closing a session may wait for a model call the agent left running.
+CLOSE_GRACE_S = 5.0
+API_KEY = "molt"  # any value works: the server on loopback checks none, the SDKs want one
+
+
+class ChatRunner:
+    """Runs rollouts of `agent_class`. Subclass it as `AgentRunner` and set `agent_class`.
+
+    `generator` runs on the capture server's event loop (its own thread), not the caller's.
+    """
+
+    agent_class: type[ChatAgent] | None = None
+
+    def __init__(self, generator: Generator, tokenizer, config: RunnerConfig | None = None):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.config = config or RunnerConfig()
+        self._server: CaptureServer | None = None
+
+    @property
+    def server(self) -> CaptureServer:
+        """Started lazily, so runners that are never used hold no port or thread."""
+        if self._server is None:
+            cfg = self.config
+            self._server = CaptureServer(
+                self.tokenizer,
+                self.generator,
+                parser=cfg.parser,
+                chat_template_kwargs=cfg.chat_template_kwargs,
+                model_name=cfg.model_name,
+                generator_timeout_s=cfg.generator_timeout_s,
+            ).start()
+        return self._server
+
+    def make_agent(self) -> ChatAgent:
+        """One agent per rollout; override to pass constructor arguments."""
+        assert self.agent_class is not None, "set AgentRunner.agent_class"
+        return self.agent_class()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    async def run(self, row: dict[str, Any], rollout_id: str, group_id: str) -> Rollout | Dropped:
+        """One rollout; never raises for an agent's failure or overrun, returns `Dropped`."""
+        t0 = time.monotonic()
+        session: Session | None = None
+        closed = False
+        try:
+            messages = row_messages(row)
+            session = self._open(row)
+            ctx = self._context(row, messages, session, rollout_id, group_id)
+            result = await within_deadline(self._run_agent(ctx), self.config.deadline_s)
+            agent_s = time.monotonic() - t0
+            segments = await self._close(session)
+            closed = True
+        except RolloutDropped as d:
+            return Dropped(d.reason, d.detail, rollout_id, group_id, time.monotonic() - t0)
+        finally:
+            if session is not None and not closed:
+                self._discard(session)
+        if not segments:
+            return Dropped(
+                "empty", "the agent never called the model", rollout_id, group_id, agent_s
+            )
+        if result.truncated:
+            segments[-1].truncated = True
+        return Rollout(
+            segments=segments,
+            reward=float(result.reward),
+            rollout_id=rollout_id,
+            group_id=group_id,
+            score=result.score,
+            info={
+                **numeric_info(result.info),
+                "turns": float(sum(len(s.turns) for s in segments)),
+                "segments": float(len(segments)),
+            },
+            timings={"agent": agent_s, "total": time.monotonic() - t0},
+        )
+
+    def _open(self, row: dict[str, Any]) -> Session:
+        cfg = self.config
+        return self.server.open_session(
+            row,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_tokens,
+            max_len=cfg.max_len,
+        )
+
+    def _context(
+        self,
+        row: dict[str, Any],
+        messages: list[dict],
+        session: Session,
+        rollout_id: str,
+        group_id: str,
+    ) -> ChatContext:
+        cfg = self.config
+        return ChatContext(
+            messages=messages,
+            tools=canonical_tools(row.get("tools")),
+            label=row.get("label"),
+            row=row,
+            # The OpenAI SDK appends /chat/completions, the Anthropic SDK /v1/messages: the
+            # server serves both under the session URL.
+            base_url=session.base_url,
+            anthropic_base_url=session.base_url,
+            model=cfg.model_name,
+            api_key=API_KEY,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_tokens,
+            max_len=cfg.max_len,
+            rollout_id=rollout_id,
+            group_id=group_id,
+            deadline_s=cfg.deadline_s,
+        )
+
+    async def _run_agent(self, ctx: ChatContext) -> Result:
+        agent = self.make_agent()
+        try:
+            result = await agent.run(ctx)
+        except Exception as e:
+            raise RolloutDropped("agent_error", describe(e)) from e
+        return check_result(result)
+
+    async def _close(self, session: Session) -> list[Segment]:
+        """Close on a worker thread: close_session blocks while a model call is still
+        committing, and the runner's loop must keep serving the other rollouts meanwhile."""
+        try:
+            return await asyncio.to_thread(self.server.close_session, session.id, CLOSE_GRACE_S)
+        except (TimeoutError, concurrent.futures.TimeoutError) as e:
+            raise RolloutDropped(
+                "session_busy", f"a model call was still running {CLOSE_GRACE_S} s after run()"
+            ) from e
+
+    def _discard(self, session: Session) -> None:
+        """Forget a failed rollout's session without waiting (later requests on it get 404)."""
+        with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError, KeyError):
+            self.server.close_session(session.id, timeout_s=0)

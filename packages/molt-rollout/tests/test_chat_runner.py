@@ -1,0 +1,331 @@
+"""The chat runner with stock openai / anthropic SDK agents against its own capture server."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+
+import anthropic
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from molt_capture.testing import (
+    ADD_TOOL,
+    FakeGenerator,
+    assert_token_exact,
+    build_tiny_tokenizer,
+    tool_call_text,
+)
+from molt_rollout.agent import ChatAgent, ChatContext, Dropped, Env, Result, RunnerConfig
+from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.env_runner import EnvRunner
+
+# Tool schema keys deliberately out of the wire order: both forms must still agree.
+TOOL = {
+    "type": "function",
+    "function": {
+        "parameters": ADD_TOOL["function"]["parameters"],
+        "name": "add",
+        "description": "Add two integers.",
+    },
+}
+ROW = {
+    "prompt": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1+2?"},
+    ],
+    "tools": [TOOL],
+    "label": "3",
+}
+CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add", {"a": 1, "b": 2})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return PreTrainedTokenizerFast.from_pretrained(
+        build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    )
+
+
+@pytest.fixture
+def make_runner(tokenizer):
+    runners = []
+
+    def make(agent_class, replies=("The answer is 3.",), **config):
+        class Runner(ChatRunner):
+            pass
+
+        Runner.agent_class = agent_class
+        config.setdefault("generator_timeout_s", 10)
+        runner = Runner(FakeGenerator(tokenizer, replies), tokenizer, RunnerConfig(**config))
+        runners.append(runner)
+        return runner, runner.generator
+
+    yield make
+    for runner in runners:
+        runner.close()
+
+
+def run(runner, row=ROW, rollout_id="r0"):
+    return asyncio.run(runner.run(row, rollout_id=rollout_id, group_id="g0"))
+
+
+def add(args: dict) -> str:
+    return str(args["a"] + args["b"])
+
+
+class OpenAIStreamingAgent(ChatAgent):
+    """A tool loop on the stock async OpenAI SDK, streaming every turn."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        n_calls = 0
+        async with client:
+            for _ in range(4):
+                content, calls = "", {}
+                stream = await client.chat.completions.create(
+                    model=ctx.model, messages=messages, tools=ctx.tools, stream=True
+                )
+                async for chunk in stream:
+                    delta = chunk.choices[0].delta if chunk.choices else None
+                    content += (delta and delta.content) or ""
+                    for tc in (delta and delta.tool_calls) or []:
+                        calls[tc.index] = tc
+                message = {"role": "assistant", "content": content}
+                if not calls:
+                    break
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": c.function.model_dump()}
+                    for c in calls.values()
+                ]
+                messages.append(message)
+                n_calls += len(calls)
+                for c in calls.values():
+                    result = add(json.loads(c.function.arguments))
+                    messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+        correct = content.strip().endswith(ctx.label + ".")
+        return Result(reward=float(correct), info={"tool_calls": n_calls, "tag": "x"})
+
+
+class AnthropicAgent(ChatAgent):
+    """The same task on the stock async Anthropic SDK."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        client = anthropic.AsyncAnthropic(
+            base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0
+        )
+        args = ctx.anthropic_args()
+        async with client:
+            for _ in range(4):
+                reply = await client.messages.create(model=ctx.model, **args)
+                if reply.stop_reason != "tool_use":
+                    break
+                results = [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": add(b.input)}
+                    for b in reply.content
+                    if b.type == "tool_use"
+                ]
+                args["messages"] = [
+                    *args["messages"],
+                    {"role": "assistant", "content": reply.content},
+                    {"role": "user", "content": results},
+                ]
+        text = "".join(b.text for b in reply.content if b.type == "text")
+        return Result(reward=float(text.endswith(ctx.label + ".")))
+
+
+class CompactingAgent(ChatAgent):
+    """Asks twice, then replaces the history by a summary: a rewritten prefix."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        async with client:
+            for question in ("And 2+2?", None):
+                r = await client.chat.completions.create(model=ctx.model, messages=messages)
+                messages.append(r.choices[0].message.model_dump(exclude_none=True))
+                if question:
+                    messages.append({"role": "user", "content": question})
+            summary = [
+                messages[0],
+                {"role": "user", "content": "Summary: we added numbers. Say bye."},
+            ]
+            await client.chat.completions.create(model=ctx.model, messages=summary)
+        return Result(reward=0.5)
+
+
+def test_openai_streaming_tool_agent(make_runner):
+    runner, gen = make_runner(OpenAIStreamingAgent, [CALL, "The answer is 3."])
+    rollout = run(runner)
+    assert rollout.reward == 1.0 and rollout.rollout_id == "r0" and rollout.group_id == "g0"
+    (seg,) = rollout.segments
+    assert_token_exact(rollout.segments, gen.calls)
+    assert rollout.info == {"tool_calls": 1.0, "turns": 2.0, "segments": 1.0}  # "tag" dropped
+    assert set(rollout.timings) == {"agent", "total"}
+    decoded = runner.tokenizer.decode(seg.token_ids)
+    assert "<tool_response>\n3\n</tool_response>" in decoded and "Be brief." in decoded
+
+
+def test_anthropic_tool_agent(make_runner):
+    runner, gen = make_runner(AnthropicAgent, [CALL, "The answer is 3."])
+    rollout = run(runner)
+    assert rollout.reward == 1.0
+    assert len(rollout.segments) == 1
+    assert_token_exact(rollout.segments, gen.calls)
+
+
+def test_compaction_gives_segments_sharing_the_reward(make_runner):
+    runner, gen = make_runner(CompactingAgent, ["Four.", "Bye."])
+    rollout = run(runner)
+    assert len(rollout.segments) == 2 and rollout.info["segments"] == 2.0
+    assert_token_exact(rollout.segments, gen.calls)
+    assert rollout.reward == 0.5  # one reward and rollout id for every segment
+    assert [len(s.turns) for s in rollout.segments] == [2, 1]
+
+
+def test_both_forms_present_identical_prompt_tokens(tokenizer, make_runner):
+    """One data path: the Env runner's pre-render equals what the capture server renders from
+    the messages each SDK sends, for a row with a system turn and tool schemas."""
+
+    class Done(Env):
+        async def step(self, state):
+            return Result(0.0)
+
+    class Once(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            async with client:
+                await client.chat.completions.create(
+                    model=ctx.model, messages=ctx.messages, tools=ctx.tools
+                )
+            return Result(0.0)
+
+    class OnceAnthropic(ChatAgent):
+        async def run(self, ctx):
+            client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key="k")
+            async with client:
+                await client.messages.create(model=ctx.model, **ctx.anthropic_args())
+            return Result(0.0)
+
+    class Runner(EnvRunner):
+        env_class = Done
+
+    env_gen = FakeGenerator(tokenizer, ["x"])
+    run(Runner(env_gen, tokenizer), row=copy.deepcopy(ROW))
+    prompts = [env_gen.calls[0].token_ids]
+    for agent in (Once, OnceAnthropic):
+        runner, gen = make_runner(agent)
+        run(runner, row=copy.deepcopy(ROW))
+        prompts.append(gen.calls[0].token_ids)
+    assert prompts[0] == prompts[1] == prompts[2]
+    text = tokenizer.decode(prompts[0])
+    assert "Be brief." in text and '"description": "Add two integers."' in text
+
+
+def test_raising_agent_is_dropped(make_runner):
+    class Raising(ChatAgent):
+        async def run(self, ctx):
+            raise ValueError("boom")
+
+    runner, _ = make_runner(Raising)
+    dropped = run(runner)
+    assert isinstance(dropped, Dropped) and dropped.reason == "agent_error"
+    assert dropped.detail.startswith("ValueError: boom (test_chat_runner.py:")
+    assert not runner.server.sessions  # the session was closed
+
+
+def test_agent_failing_after_a_model_call_is_dropped(make_runner):
+    class FailsLate(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            async with client:
+                await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
+            return Result(reward="high")
+
+    runner, _ = make_runner(FailsLate)
+    dropped = run(runner)
+    assert dropped.reason == "bad_result" and "'high'" in dropped.detail
+    assert not runner.server.sessions
+
+
+def test_hanging_agents_are_dropped_at_the_deadline(make_runner):
+    class Sleeper(ChatAgent):
+        async def run(self, ctx):
+            await asyncio.sleep(60)
+
+    class Stubborn(ChatAgent):
+        async def run(self, ctx):
+            for _ in range(2):  # swallows the first cancellation
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    continue
+            return Result(1.0)
+
+    for agent in (Sleeper, Stubborn):
+        runner, _ = make_runner(agent, deadline_s=0.3)
+        t = time.monotonic()
+        dropped = run(runner)
+        assert dropped.reason == "deadline" and time.monotonic() - t < 2, dropped
+        assert not runner.server.sessions
+
+
+def test_agent_stuck_in_a_model_call_is_dropped_and_runner_recovers(make_runner):
+    runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."], deadline_s=0.3)
+    gen.delay_s = 1.5
+    t = time.monotonic()
+    assert run(runner).reason == "deadline" and time.monotonic() - t < 1.2
+    gen.delay_s = 0.0
+    runner.config.deadline_s = 10
+    assert run(runner, rollout_id="r1").reward == 1.0
+
+
+def test_agent_that_never_calls_the_model(make_runner):
+    class Lazy(ChatAgent):
+        async def run(self, ctx):
+            return Result(1.0)
+
+    runner, _ = make_runner(Lazy)
+    assert run(runner).reason == "empty"
+
+
+def test_context_carries_row_and_sampling(make_runner):
+    seen = []
+
+    class Peek(ChatAgent):
+        async def run(self, ctx):
+            seen.append(ctx)
+            raise RuntimeError("just looking")
+
+    runner, _ = make_runner(Peek, temperature=0.7, max_tokens=64, max_len=512, deadline_s=9)
+    run(runner)
+    (ctx,) = seen
+    assert ctx.messages == ROW["prompt"] and ctx.label == "3" and ctx.row is ROW
+    assert ctx.base_url == ctx.anthropic_base_url and "/s/" in ctx.base_url
+    assert ctx.tools[0]["function"] == {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": ADD_TOOL["function"]["parameters"],
+    }
+    assert (ctx.temperature, ctx.max_tokens, ctx.max_len, ctx.deadline_s) == (0.7, 64, 512, 9)
+    assert (ctx.rollout_id, ctx.group_id, ctx.model) == ("r0", "g0", "molt-policy")
+
+
+def test_group_of_agents_runs_concurrently_on_one_server(make_runner):
+    runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."])
+    gen.delay_s = 0.3
+
+    async def group():
+        return await asyncio.gather(
+            *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(6))
+        )
+
+    t = time.monotonic()
+    rollouts = asyncio.run(group())
+    assert time.monotonic() - t < 2.5
+    assert [r.reward for r in rollouts] == [1.0] * 6
+    assert len({c.session_id for c in gen.calls}) == 6
