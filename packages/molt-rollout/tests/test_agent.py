@@ -1,0 +1,230 @@
+"""The agent contract: loading a user module names exactly what is wrong; small helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from molt_rollout.agent import (
+    AgentLoadError,
+    ChatContext,
+    Result,
+    RolloutDropped,
+    canonical_tools,
+    check_result,
+    load_agent,
+    numeric_info,
+    row_messages,
+    within_deadline,
+)
+from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.env_runner import EnvRunner
+
+ENV_AGENT = """
+from molt_rollout.agent import Env, Result
+from molt_rollout.env_runner import EnvRunner
+
+class MyEnv(Env):
+    async def step(self, state):
+        return Result(reward=1.0)
+
+class AgentRunner(EnvRunner):
+    env_class = MyEnv
+"""
+
+CHAT_AGENT = """
+from molt_rollout.agent import ChatAgent, Result
+from molt_rollout.chat_runner import ChatRunner
+
+class MyAgent(ChatAgent):
+    async def run(self, ctx):
+        return Result(reward=1.0)
+
+class AgentRunner(ChatRunner):
+    agent_class = MyAgent
+"""
+
+
+def write(tmp_path, source: str, name: str = "my_agent.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def load_error(tmp_path, source: str) -> str:
+    with pytest.raises(AgentLoadError) as e:
+        load_agent(write(tmp_path, source))
+    return str(e.value)
+
+
+def test_loads_both_forms_by_path(tmp_path):
+    env_runner = load_agent(write(tmp_path, ENV_AGENT, "env_agent.py"))
+    assert issubclass(env_runner, EnvRunner) and env_runner.env_class.__name__ == "MyEnv"
+    chat_runner = load_agent(write(tmp_path, CHAT_AGENT, "chat_agent.py"))
+    assert issubclass(chat_runner, ChatRunner) and chat_runner.agent_class.__name__ == "MyAgent"
+
+
+def test_loads_by_dotted_name(tmp_path, monkeypatch):
+    pkg = tmp_path / "agents_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "math_env.py").write_text(ENV_AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert issubclass(load_agent("agents_pkg.math_env"), EnvRunner)
+
+
+def test_missing_file_and_module(tmp_path):
+    with pytest.raises(AgentLoadError, match="agent file .*nope.py does not exist"):
+        load_agent(str(tmp_path / "nope.py"))
+    with pytest.raises(AgentLoadError, match="no module named 'no_such_agent_module'"):
+        load_agent("no_such_agent_module")
+
+
+def test_import_failure_is_named(tmp_path):
+    message = load_error(tmp_path, "import json\nraise RuntimeError('no API key set')\n")
+    assert "importing" in message and "RuntimeError: no API key set" in message
+
+
+def test_no_agent_runner(tmp_path):
+    message = load_error(tmp_path, "class Runner: pass\n")
+    assert "does not define AgentRunner" in message
+
+
+def test_agent_runner_of_the_wrong_kind(tmp_path):
+    message = load_error(tmp_path, "class AgentRunner: pass\n")
+    assert "AgentRunner must be a subclass of EnvRunner or ChatRunner" in message
+    message = load_error(tmp_path, "AgentRunner = 3\n")
+    assert "got 3" in message
+
+
+def test_env_class_missing(tmp_path):
+    source = "from molt_rollout.env_runner import EnvRunner\nclass AgentRunner(EnvRunner): pass\n"
+    message = load_error(tmp_path, source)
+    assert "AgentRunner.env_class must be set to your Env class, got None" in message
+
+
+def test_env_without_step_and_with_sync_reset(tmp_path):
+    source = """
+    from molt_rollout.env_runner import EnvRunner
+
+    class MyEnv:
+        def reset(self, state):
+            pass
+
+    class AgentRunner(EnvRunner):
+        env_class = MyEnv
+    """
+    message = load_error(tmp_path, source)
+    assert "MyEnv.reset must be async (async def reset(...))" in message
+    assert "MyEnv does not define step()" in message
+
+
+def test_env_subclass_not_overriding_step(tmp_path):
+    source = """
+    from molt_rollout.agent import Env
+    from molt_rollout.env_runner import EnvRunner
+
+    class MyEnv(Env):
+        pass
+
+    class AgentRunner(EnvRunner):
+        env_class = MyEnv
+    """
+    message = load_error(tmp_path, source)
+    assert message.endswith("MyEnv does not define step()")  # reset is inherited, fine
+
+
+def test_chat_agent_with_sync_run(tmp_path):
+    source = """
+    from molt_rollout.agent import ChatAgent
+    from molt_rollout.chat_runner import ChatRunner
+
+    class MyAgent(ChatAgent):
+        def run(self, ctx):
+            pass
+
+    class AgentRunner(ChatRunner):
+        agent_class = MyAgent
+    """
+    assert "MyAgent.run must be async (async def run(...))" in load_error(tmp_path, source)
+
+
+def test_chat_agent_class_missing(tmp_path):
+    source = (
+        "from molt_rollout.chat_runner import ChatRunner\nclass AgentRunner(ChatRunner): pass\n"
+    )
+    message = load_error(tmp_path, source)
+    assert "AgentRunner.agent_class must be set to your ChatAgent class" in message
+
+
+def test_result_defaults_and_checks():
+    r = Result(reward=1)
+    assert (r.score, r.info, r.observation, r.terminated, r.truncated) == (
+        None,
+        {},
+        "",
+        True,
+        False,
+    )
+    assert (r.max_tokens, r.temperature, r.stop) == (None, None, None)
+    assert check_result(r) is r
+    for bad in (None, Result(reward=True), Result(reward=float("inf")), Result(reward="1")):
+        with pytest.raises(RolloutDropped) as e:
+            check_result(bad)
+        assert e.value.reason == "bad_result"
+    assert numeric_info({"a": 1, "b": True, "c": "x", "d": 0.5}) == {"a": 1.0, "b": 1.0, "d": 0.5}
+
+
+def test_row_messages():
+    assert row_messages({"prompt": "Hi"}) == [{"role": "user", "content": "Hi"}]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert row_messages({"prompt": msgs}) == msgs
+    with pytest.raises(RolloutDropped, match="row has no 'prompt'"):
+        row_messages({"question": "Hi"})
+
+
+def test_anthropic_args_and_canonical_tools():
+    tool = {
+        "type": "function",
+        "function": {"parameters": {"type": "object"}, "name": "f", "strict": True},
+    }
+    (canon,) = canonical_tools([tool])
+    assert list(canon["function"]) == ["name", "parameters"]  # wire order; unknown keys dropped
+    assert canonical_tools(None) is None and canonical_tools([]) is None
+    ctx = ChatContext(
+        messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+        tools=[canon],
+        label=None,
+        row={},
+        base_url="u",
+        anthropic_base_url="u",
+        model="m",
+        api_key="k",
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=None,
+        max_len=100,
+    )
+    assert ctx.anthropic_args() == {
+        "max_tokens": 100,
+        "system": "S",
+        "messages": [{"role": "user", "content": "U"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+    }
+    assert len(ctx.messages) == 2  # not modified
+
+
+def test_within_deadline():
+    async def value():
+        return 7
+
+    async def hang():
+        await asyncio.sleep(60)
+
+    assert asyncio.run(within_deadline(value(), 1.0)) == 7
+    assert asyncio.run(within_deadline(value(), None)) == 7
+    with pytest.raises(RolloutDropped) as e:
+        asyncio.run(within_deadline(hang(), 0.05))
+    assert e.value.reason == "deadline"
