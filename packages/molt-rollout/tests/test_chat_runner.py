@@ -19,7 +19,15 @@ from molt_capture.testing import (
     build_tiny_tokenizer,
     tool_call_text,
 )
-from molt_rollout.agent import ChatAgent, ChatContext, Dropped, Env, Result, RunnerConfig
+from molt_rollout.agent import (
+    ChatAgent,
+    ChatContext,
+    Dropped,
+    Env,
+    Result,
+    RolloutDropped,
+    RunnerConfig,
+)
 from molt_rollout.chat_runner import ChatRunner
 from molt_rollout.env_runner import EnvRunner
 
@@ -329,3 +337,12 @@ def test_group_of_agents_runs_concurrently_on_one_server(make_runner):
     assert time.monotonic() - t < 2.5
     assert [r.reward for r in rollouts] == [1.0] * 6
     assert len({c.session_id for c in gen.calls}) == 6
+
+
+def test_agent_can_drop_on_purpose(make_runner):
+    class Picky(ChatAgent):
+        async def run(self, ctx):
+            raise RolloutDropped("unusable_prompt", "label missing")
+
+    runner, _ = make_runner(Picky)
+    assert run(runner).reason == "unusable_prompt"

@@ -17,7 +17,15 @@ from molt_capture.testing import (
     tool_call_text,
 )
 from molt_capture.types import PROMPT_VERSION
-from molt_rollout.agent import Dropped, Env, EnvState, Result, RunnerConfig, row_messages
+from molt_rollout.agent import (
+    Dropped,
+    Env,
+    EnvState,
+    Result,
+    RolloutDropped,
+    RunnerConfig,
+    row_messages,
+)
 from molt_rollout.env_runner import EnvRunner
 
 ROW = {
@@ -290,3 +298,14 @@ def test_group_runs_concurrently(tokenizer):
     assert time.monotonic() - t < 1.5
     assert sorted(r.rollout_id for r in rollouts) == [f"r{i}" for i in range(8)]
     assert {c.session_id for c in gen.calls} == {f"r{i}" for i in range(8)}
+
+
+def test_env_can_drop_on_purpose(tokenizer):
+    class Sandboxed(Env):
+        async def reset(self, state):
+            raise RolloutDropped("sandbox", "container did not start")
+
+    runner, gen = make_runner(tokenizer, Sandboxed, ["Hi."])
+    dropped = run(runner)
+    assert (dropped.reason, dropped.detail) == ("sandbox", "container did not start")
+    assert not gen.calls

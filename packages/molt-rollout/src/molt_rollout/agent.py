@@ -146,7 +146,8 @@ class Dropped:
 
 
 class RolloutDropped(Exception):
-    """Raised inside a runner to end a rollout as `Dropped`; never escapes `run()`."""
+    """Ends a rollout as `Dropped`; never escapes a runner's `run()`. Runners raise it, and an
+    Env or ChatAgent may too, to drop a rollout on purpose with its own reason."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")

@@ -157,6 +157,8 @@ class ChatRunner:
         agent = self.make_agent()
         try:
             result = await agent.run(ctx)
+        except RolloutDropped:
+            raise  # the agent drops the rollout on purpose, with its own reason
         except Exception as e:
             raise RolloutDropped("agent_error", describe(e)) from e
         return check_result(result)

@@ -190,6 +190,8 @@ class EnvRunner:
         t = time.monotonic()
         try:
             return await awaitable
+        except RolloutDropped:
+            raise  # the Env drops the rollout on purpose, with its own reason
         except Exception as e:
             raise RolloutDropped("agent_error", describe(e)) from e
         finally:
