@@ -10,7 +10,7 @@ from pathlib import Path
 
 from molt_capture.testing import build_tiny_tokenizer
 
-_BUILD_VERSION = "1"  # bump when the shape, seed or tokenizer changes
+_BUILD_VERSION = "2"  # bump when the shape, seed or tokenizer changes
 TINY_SHAPE = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -18,7 +18,7 @@ TINY_SHAPE = dict(
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=64,
-    max_position_embeddings=4096,
+    max_position_embeddings=16384,
     tie_word_embeddings=False,
 )
 
