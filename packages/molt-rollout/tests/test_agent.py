@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerFast
 
+from molt_capture.testing import (
+    ADD_TOOL,
+    FakeGenerator,
+    assert_token_exact,
+    build_tiny_tokenizer,
+    tool_call_text,
+)
 from molt_rollout.agent import (
     AgentLoadError,
     ChatContext,
+    Dropped,
     Result,
     RolloutDropped,
+    RunnerConfig,
     canonical_tools,
     check_result,
     load_agent,
@@ -228,3 +240,63 @@ def test_within_deadline():
     with pytest.raises(RolloutDropped) as e:
         asyncio.run(within_deadline(hang(), 0.05))
     assert e.value.reason == "deadline"
+
+
+# ---- docs/agents.md: every example file loads and earns its reward -------------------------
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "agents.md"
+
+
+def doc_blocks() -> list[str]:
+    if not DOCS.exists():  # the package tested on its own, outside the repository
+        pytest.skip("docs/agents.md is not next to this package")
+    return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+
+
+def doc_files() -> dict[str, str]:
+    """The examples that are whole files: their first line is `# name.py`."""
+    blocks = doc_blocks()
+    return {b.split("\n", 1)[0][2:]: b for b in blocks if re.match(r"# \w+\.py\n", b)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return PreTrainedTokenizerFast.from_pretrained(
+        build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    )
+
+
+DOC_ROW = {
+    "prompt": [
+        {"role": "system", "content": "Use the add tool."},
+        {"role": "user", "content": "What is 17+25?"},
+    ],
+    "tools": [ADD_TOOL],
+    "label": "42",
+}
+
+
+@pytest.mark.parametrize("name", ["calculator_env.py", "openai_agent.py", "anthropic_agent.py"])
+def test_docs_examples_run(name, tmp_path, tokenizer):
+    files = doc_files()
+    assert name in files, f"docs/agents.md has no example {name}"
+    runner_class = load_agent(write(tmp_path, files[name], name))
+    replies = [tool_call_text("add", {"a": 17, "b": 25}), "The answer is 42."]
+    gen = FakeGenerator(tokenizer, replies)
+    runner = runner_class(gen, tokenizer, RunnerConfig(deadline_s=20))
+    try:
+        rollout = asyncio.run(runner.run(DOC_ROW, rollout_id="r0", group_id="g0"))
+    finally:
+        runner.close()
+    assert not isinstance(rollout, Dropped), rollout
+    assert rollout.reward == 1.0 and len(gen.calls) == 2
+    assert_token_exact(rollout.segments, gen.calls)
+
+
+def test_docs_by_hand_snippet_runs(tmp_path, monkeypatch, capsys):
+    files = doc_files()
+    (snippet,) = [b for b in doc_blocks() if "load_agent(" in b]
+    write(tmp_path, files["calculator_env.py"], "calculator_env.py")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "agents.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("1.0 ")

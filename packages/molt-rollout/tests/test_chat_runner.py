@@ -284,9 +284,9 @@ def test_hanging_agents_are_dropped_at_the_deadline(make_runner):
 
 def test_agent_stuck_in_a_model_call_is_dropped_and_runner_recovers(make_runner):
     runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."], deadline_s=0.3)
-    gen.delay_s = 1.5
+    gen.delay_s = 2.0
     t = time.monotonic()
-    assert run(runner).reason == "deadline" and time.monotonic() - t < 1.2
+    assert run(runner).reason == "deadline" and time.monotonic() - t < 1.5
     gen.delay_s = 0.0
     runner.config.deadline_s = 10
     assert run(runner, rollout_id="r1").reward == 1.0
@@ -325,18 +325,18 @@ def test_context_carries_row_and_sampling(make_runner):
 
 def test_group_of_agents_runs_concurrently_on_one_server(make_runner):
     runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."])
-    gen.delay_s = 0.3
+    gen.delay_s = 0.5
 
     async def group():
         return await asyncio.gather(
-            *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(6))
+            *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(8))
         )
 
     t = time.monotonic()
     rollouts = asyncio.run(group())
-    assert time.monotonic() - t < 2.5
-    assert [r.reward for r in rollouts] == [1.0] * 6
-    assert len({c.session_id for c in gen.calls}) == 6
+    assert time.monotonic() - t < 3.0  # one after another: 4 s
+    assert [r.reward for r in rollouts] == [1.0] * 8
+    assert len({c.session_id for c in gen.calls}) == 8
 
 
 def test_agent_can_drop_on_purpose(make_runner):
