@@ -120,7 +120,9 @@ class OpenAIStreamingAgent(ChatAgent):
 
 
 class AnthropicAgent(ChatAgent):
-    """The same task on the stock async Anthropic SDK."""
+    """The same task on the stock async Anthropic SDK, streaming or not."""
+
+    stream = False
 
     async def run(self, ctx: ChatContext) -> Result:
         client = anthropic.AsyncAnthropic(
@@ -129,7 +131,11 @@ class AnthropicAgent(ChatAgent):
         args = ctx.anthropic_args()
         async with client:
             for _ in range(4):
-                reply = await client.messages.create(model=ctx.model, **args)
+                if self.stream:
+                    async with client.messages.stream(model=ctx.model, **args) as stream:
+                        reply = await stream.get_final_message()
+                else:
+                    reply = await client.messages.create(model=ctx.model, **args)
                 if reply.stop_reason != "tool_use":
                     break
                 results = [
@@ -178,8 +184,13 @@ def test_openai_streaming_tool_agent(make_runner):
     assert "<tool_response>\n3\n</tool_response>" in decoded and "Be brief." in decoded
 
 
-def test_anthropic_tool_agent(make_runner):
-    runner, gen = make_runner(AnthropicAgent, [CALL, "The answer is 3."])
+class AnthropicStreamingAgent(AnthropicAgent):
+    stream = True
+
+
+@pytest.mark.parametrize("agent", [AnthropicAgent, AnthropicStreamingAgent])
+def test_anthropic_tool_agent(make_runner, agent):
+    runner, gen = make_runner(agent, [CALL, "The answer is 3."])
     rollout = run(runner)
     assert rollout.reward == 1.0
     assert len(rollout.segments) == 1
@@ -290,6 +301,19 @@ def test_agent_stuck_in_a_model_call_is_dropped_and_runner_recovers(make_runner)
     gen.delay_s = 0.0
     runner.config.deadline_s = 10
     assert run(runner, rollout_id="r1").reward == 1.0
+
+
+def test_agent_constructor_failure_is_dropped(make_runner):
+    class NeedsConfig(ChatAgent):
+        def __init__(self):
+            raise FileNotFoundError("config.yaml")
+
+        async def run(self, ctx):
+            return Result(1.0)
+
+    runner, _ = make_runner(NeedsConfig)
+    dropped = run(runner)
+    assert dropped.reason == "agent_error" and "FileNotFoundError" in dropped.detail
 
 
 def test_agent_that_never_calls_the_model(make_runner):

@@ -241,6 +241,15 @@ def test_env_exception_is_dropped_with_reason(tokenizer):
     assert (dropped.rollout_id, dropped.group_id) == ("r0", "g0")
 
 
+def test_env_constructor_failure_is_dropped(tokenizer):
+    class NeedsConfig(Env):
+        def __init__(self):
+            raise FileNotFoundError("config.yaml")
+
+    dropped = run(make_runner(tokenizer, NeedsConfig, ["Hi."])[0])
+    assert dropped.reason == "agent_error" and "FileNotFoundError" in dropped.detail
+
+
 def test_generator_failure_and_bad_result(tokenizer):
     runner, gen = make_runner(tokenizer, ExactAnswer, ["Hi."])
     gen.fail_next = ConnectionError("engine gone")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from molt_capture import Reply
+
 T = TypeVar("T")
 
 
@@ -58,7 +60,7 @@ class EnvState:
     text: str = ""  # the last reply, decoded (special tokens skipped)
     token_ids: list[int] = field(default_factory=list)  # the last reply as sampled
     finish_reason: str = ""  # "stop" or "length" (cut by max_tokens or the budget)
-    reply: Any = None  # molt_capture Reply (content, reasoning, tool_calls) in chat form
+    reply: Reply | None = None  # parsed: content, reasoning, tool_calls (name, arguments)
     transcript: str = ""  # everything after the prompt, decoded: replies and observations
     data: dict[str, Any] = field(default_factory=dict)
 

@@ -154,9 +154,8 @@ class ChatRunner:
         )
 
     async def _run_agent(self, ctx: ChatContext) -> Result:
-        agent = self.make_agent()
         try:
-            result = await agent.run(ctx)
+            result = await self.make_agent().run(ctx)
         except RolloutDropped:
             raise  # the agent drops the rollout on purpose, with its own reason
         except Exception as e:

@@ -86,7 +86,7 @@ class EnvRunner:
         segments = [seg]
         state = EnvState(row=row, messages=messages, tools=tools, label=row.get("label"))
         timings = {"generate": 0.0, "env": 0.0}
-        env = self.make_env()
+        env = await self._env_call(self._new_env(), timings)
         await self._env_call(env.reset(state), timings)
 
         rewards: list[float] = []
@@ -168,6 +168,9 @@ class EnvRunner:
         except CaptureError as e:
             raise RolloutDropped("bad_row", e.message) from e
 
+    async def _new_env(self) -> Env:
+        return self.make_env()  # a constructor that raises is the agent's failure
+
     async def _generate(
         self, ids: list[int], params: SamplingParams, session_id: str, timings: dict
     ) -> Generation:
@@ -208,7 +211,10 @@ class EnvRunner:
         if self.renderer is not None:
             stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
             prefix = self.renderer.decode(seg.token_ids[:prefix_len])
-            state.reply = self.renderer.parse(gen.token_ids, prefix, state.tools, stop)
+            try:
+                state.reply = self.renderer.parse(gen.token_ids, prefix, state.tools, stop)
+            except Exception:  # unparseable output is the model's answer, not a runner failure
+                state.reply = Reply(content=state.text)
             state.messages.append(state.reply.as_message())
         else:
             state.reply = Reply(content=state.text)
