@@ -182,7 +182,13 @@ def test_result_defaults_and_checks():
     )
     assert (r.max_tokens, r.temperature, r.stop) == (None, None, None)
     assert check_result(r) is r
-    for bad in (None, Result(reward=True), Result(reward=float("inf")), Result(reward="1")):
+    for bad in (
+        None,
+        Result(reward=True),
+        Result(reward=float("inf")),
+        Result(reward="1"),
+        Result(1, score="A"),
+    ):
         with pytest.raises(RolloutDropped) as e:
             check_result(bad)
         assert e.value.reason == "bad_result"

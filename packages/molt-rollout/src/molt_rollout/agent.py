@@ -208,6 +208,9 @@ def check_result(result: Any) -> Result:
         raise RolloutDropped("bad_result", f"reward {result.reward!r} is not a number")
     if not math.isfinite(result.reward):
         raise RolloutDropped("bad_result", f"reward {result.reward} is not finite")
+    score = result.score
+    if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
+        raise RolloutDropped("bad_result", f"score {score!r} is not a number or None")
     return result
 
 
