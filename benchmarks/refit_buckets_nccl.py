@@ -12,13 +12,21 @@ the script runs over gloo on CPU (a smoke test: `--layers 2 --vocab 1000`).
 """
 
 import argparse
+import importlib.util
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from molt_rollout.buckets import iter_buckets, pack, unpack
+# buckets.py needs torch alone; load it by path so a GPU machine without molt-rollout's other
+# dependencies (vLLM, Ray, fastapi) runs this script as it is.
+_path = Path(__file__).parents[1] / "packages/molt-rollout/src/molt_rollout/buckets.py"
+_spec = importlib.util.spec_from_file_location("molt_buckets", _path)
+buckets = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(buckets)
+iter_buckets, pack, unpack = buckets.iter_buckets, buckets.pack, buckets.unpack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,44 @@
+"""molt-rollout: generation for Molt.
+
+Engines (vLLM servers owned by Ray actors), the session-affine router, the token client that
+implements molt-capture's generator contract, refit with pause/resume (docs/rollout.md), and
+the agent contract with its two runner forms (docs/agents.md). The streaming prompt-group pool
+comes next.
+"""
+
+from molt_rollout.agent import (
+    AgentLoadError,
+    ChatAgent,
+    ChatContext,
+    Dropped,
+    Env,
+    EnvState,
+    Result,
+    RolloutDropped,
+    RunnerConfig,
+    load_agent,
+)
+from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig, validate_rollout_config
+from molt_rollout.env_runner import EnvRunner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentLoadError",
+    "ChatAgent",
+    "ChatContext",
+    "ChatRunner",
+    "Dropped",
+    "Env",
+    "EnvRunner",
+    "EnvState",
+    "RefitConfig",
+    "Result",
+    "RolloutDropped",
+    "RouterConfig",
+    "RunnerConfig",
+    "VLLMConfig",
+    "load_agent",
+    "validate_rollout_config",
+]
