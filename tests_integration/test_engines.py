@@ -4,6 +4,7 @@ import asyncio
 import concurrent.futures
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -139,29 +140,32 @@ def stream_generate(engine_url: str, model: str, length: int) -> dict:
 
 
 def test_in_flight_requests_survive_refit_with_two_version_spans(rollout, weights):
-    # The engine core runs ahead of the HTTP stream, so a request can finish before its first
-    # chunk arrives on a loaded machine: long generations, and a second try if one did.
-    length = LONG_GENERATION
+    # The engine core runs ahead of the HTTP stream (on a loaded machine a request can finish
+    # before its first chunk arrives), so each engine gets several long requests at once: the
+    # first chunk of any of them pauses the engine while the others are mid-generation.
+    length, per_engine = LONG_GENERATION, 6
     urls = rollout.engines.urls
-    for _attempt in range(3):
-        before = current_version(rollout)
-        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-            futures = [pool.submit(stream_generate, url, rollout.model, length) for url in urls]
-            paused = lambda: all(httpx.get(u + "/is_paused").json()["is_paused"] for u in urls)  # noqa: E731
-            deadline = time.monotonic() + 120
-            while not paused() and not any(f.done() for f in futures):
-                assert time.monotonic() < deadline, "requests never started"
-                time.sleep(0.01)
-            refit_with(rollout, weights)  # pause(keep) again, transfer, next version, resume
-            results = [f.result() for f in futures]
-        if all(len(choice["weight_versions"]) == 2 for choice in results):
-            break
+    before = current_version(rollout)
+    with concurrent.futures.ThreadPoolExecutor(len(urls) * per_engine) as pool:
+        futures = [pool.submit(stream_generate, url, rollout.model, length)
+                   for url in urls for _ in range(per_engine)]  # fmt: skip
+        paused = lambda: all(httpx.get(u + "/is_paused").json()["is_paused"] for u in urls)  # noqa: E731
+        deadline = time.monotonic() + 120
+        while not paused():
+            assert time.monotonic() < deadline, "requests never started"
+            time.sleep(0.01)
+        refit_with(rollout, weights)  # pause(keep) again, transfer, next version, resume
+        results = [f.result() for f in futures]
+    straddling = 0
     for choice in results:
         assert len(choice["token_ids"]) == len(choice["logprobs"]) == length
         spans = choice["weight_versions"]
-        assert [s["version"] for s in spans] == [str(before), str(before + 1)], spans
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
-        assert spans[1]["end"] == length
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == length
+        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:], strict=False))
+        versions = [s["version"] for s in spans]
+        assert versions in ([str(before)], [str(before + 1)], [str(before), str(before + 1)])
+        straddling += len(spans) == 2
+    assert straddling > 0, "no request was in flight across the refit"
 
 
 def test_no_prefix_cache_reuse_across_refit(rollout, weights):
@@ -194,3 +198,34 @@ def test_report_unupdated_names_parameters_a_refit_left_unchanged(rollout, weigh
         assert not any("lm_head" in name for name in rollout.refitter.last_unupdated)
     finally:
         rollout.refitter.cfg.report_unupdated = False
+
+
+def test_pause_abort_ends_in_flight_requests(rollout):
+    url = rollout.engines.urls[0]
+    body = {"model": rollout.model, "token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": LONG_GENERATION, "logprobs": 0, "ignore_eos": True}}  # fmt: skip
+    started = threading.Event()
+
+    def stream() -> tuple[str, int]:
+        count, finish = 0, None
+        with httpx.stream("POST", url + GENERATE_PATH, json=body, timeout=300) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    choice = json.loads(line.removeprefix("data:"))["choices"][0]
+                    count += len(choice.get("token_ids") or [])
+                    finish = choice.get("finish_reason") or finish
+                    started.set()
+        return finish, count
+
+    # Several long requests at once, as in the refit test: some are mid-generation at the pause.
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream) for _ in range(6)]
+        assert started.wait(120)
+        rollout.refitter.pause("abort")  # the same call on every engine
+        try:
+            results = [f.result() for f in futures]
+        finally:
+            rollout.refitter.resume()
+    finishes = [finish for finish, _ in results]
+    assert "abort" in finishes and set(finishes) <= {"abort", "length"}
+    assert all(count < LONG_GENERATION for finish, count in results if finish == "abort")
