@@ -17,13 +17,18 @@ class RolloutService:
     vllm: VLLMConfig
     engines: EngineGroup
     router: Router
-    refitter: Refitter
+    engine_urls: list[str]
+    workers_per_engine: int
+    refitter: Refitter | None  # None when another process (the trainer's rank 0) drives refit
 
     @classmethod
     def start(cls, model: str, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig,
-              log_dir: str, on_gpu: bool | None = None) -> "RolloutService":  # fmt: skip
-        """Start engines (Ray must be initialised), then the router, then the refit rendezvous;
-        the engines' weights are version 0."""
+              log_dir: str, on_gpu: bool | None = None,
+              with_refitter: bool = True) -> "RolloutService":  # fmt: skip
+        """Start engines (Ray must be initialised), then the router, then (with_refitter) the
+        refit rendezvous in this process; the engines' weights are version 0. A trainer that
+        sends weights from its own process passes with_refitter=False and builds a `Refitter`
+        from `engine_urls` and `workers_per_engine` there."""
         validate_rollout_config(vllm, router, refit)
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
         engines = EngineGroup(vllm, model, transfer_backend(refit, on_gpu), log_dir, on_gpu)
@@ -32,13 +37,15 @@ class RolloutService:
             router_process = Router(router, urls, log_dir)
             router_process.start()
             workers = vllm.tensor_parallel_size * vllm.data_parallel_size
-            refitter = Refitter(urls, workers, refit, on_gpu)
-            refitter.init_transfer()
-            refitter.set_version(0)
+            refitter = None
+            if with_refitter:
+                refitter = Refitter(urls, workers, refit, on_gpu)
+                refitter.init_transfer()
+                refitter.set_version(0)
         except BaseException:
             engines.shutdown()
             raise
-        return cls(model, vllm, engines, router_process, refitter)
+        return cls(model, vllm, engines, router_process, urls, workers, refitter)
 
     def token_client(self) -> TokenClient:
         """A generator for molt-capture sessions and Env runners (one per event loop)."""
@@ -47,6 +54,7 @@ class RolloutService:
         )
 
     def shutdown(self) -> None:
-        self.refitter.close()
+        if self.refitter is not None:
+            self.refitter.close()
         self.router.stop()
         self.engines.shutdown()

@@ -1,0 +1,90 @@
+"""Agent-runner processes: Ray actors that run the n rollouts of a prompt group concurrently.
+
+Each actor imports the researcher's module by path (`load_agent` inside the actor: a module
+loaded from a file does not pickle by reference), builds its own token client (one per event
+loop) and tokenizer, and serves `run_group` on its event loop, so many groups interleave in one
+process. `RunnerGroup.launch` is the pool's launcher: it returns a `concurrent.futures.Future`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from dataclasses import dataclass
+
+import ray
+
+from molt_rollout.agent import Dropped, RunnerConfig, load_agent
+from molt_rollout.client import TokenClient
+from molt_rollout.pool import GroupResult, PromptTask
+
+
+@dataclass
+class RunnersConfig:
+    """How many agent-runner actors and what each may use (`--rollout.*`)."""
+
+    num_runners: int = 2
+    cpus_per_runner: float = 0.25  # fractional: runners mostly wait on engines and agents
+    max_concurrent_groups: int = 256  # groups one runner interleaves on its event loop
+
+
+class AgentWorker:
+    """The body of one runner actor (plain class, so it is testable without Ray)."""
+
+    def __init__(self, agent: str, model: str, router_url: str, runner: RunnerConfig,
+                 request_timeout_s: float, max_retries: int) -> None:  # fmt: skip
+        from transformers import AutoTokenizer
+
+        runner_class = load_agent(agent)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        client = TokenClient(router_url, model, request_timeout_s, max_retries)
+        self.runner = runner_class(client, tokenizer, runner)
+
+    async def run_group(self, task: PromptTask) -> GroupResult:
+        """All n rollouts of one prompt at once; failures come back as `Dropped`, not raised."""
+        results = await asyncio.gather(
+            *(self.runner.run(task.row, f"{task.group_id}-{i}", task.group_id)
+              for i in range(task.n))
+        )  # fmt: skip
+        return GroupResult(
+            task=task,
+            rollouts=[r for r in results if not isinstance(r, Dropped)],
+            dropped=[r for r in results if isinstance(r, Dropped)],
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class RunnerGroup:
+    """The runner actors of a run; `launch` hands groups out round-robin."""
+
+    def __init__(self, cfg: RunnersConfig, agent: str, model: str, router_url: str,
+                 runner: RunnerConfig, request_timeout_s: float, max_retries: int) -> None:  # fmt: skip
+        if cfg.num_runners < 1 or cfg.cpus_per_runner < 0:
+            raise ValueError("--rollout.num_runners must be >= 1, --rollout.cpus_per_runner >= 0")
+        actor = ray.remote(
+            num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups
+        )(AgentWorker)
+        self.actors = [
+            actor.remote(agent, model, router_url, runner, request_timeout_s, max_retries)
+            for _ in range(cfg.num_runners)
+        ]
+        self._next = itertools.cycle(self.actors)
+        # Surface a bad agent module or model path now, not at the first group.
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def launch(self, task: PromptTask) -> concurrent.futures.Future:
+        return next(self._next).run_group.remote(task).future()
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.get(actor.close.remote(), timeout=10)
+            except Exception:
+                pass  # a dead actor has nothing left to close
+            ray.kill(actor)
