@@ -1,0 +1,122 @@
+"""Evaluation: a separate, non-streaming pass over the eval rows, and its pass@k metrics.
+
+`run_eval` launches every eval prompt as a group of `n_samples` rollouts through the pool's
+launcher and waits for all of them; `eval_metrics` turns the groups into `eval/<source>/pass@k`,
+`reward_mean`, `num_prompts` and `dropped`, per data source and over all prompts. A rollout is
+correct when its score (its reward when the score is None) reaches the threshold; a dropped
+rollout is a sample that failed. See docs/data.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from molt_rollout.agent import RunnerConfig
+from molt_rollout.pool import GroupResult, Launch, PromptTask
+
+
+@dataclass
+class EvalConfig:
+    """When and how to evaluate (`--eval.*`); sampling here replaces the training sampling."""
+
+    every_steps: int = 0  # 0 = never
+    n_samples: int = 4  # samples per prompt; pass@k for every power of 2 up to n, and n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    max_prompts: int | None = None  # the first rows of the eval files only
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Raise ValueError naming the flags of a configuration that cannot work."""
+    if cfg.every_steps < 0:
+        raise ValueError(f"--eval.every_steps must be >= 0 (0 = never), got {cfg.every_steps}")
+    if cfg.n_samples < 1:
+        raise ValueError(f"--eval.n_samples must be >= 1, got {cfg.n_samples}")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise ValueError("--eval.temperature must be >= 0 and --eval.top_p in (0, 1]")
+    for name in ("max_tokens", "max_prompts"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"--eval.{name} must be >= 1 or unset")
+
+
+def eval_runner_config(base: RunnerConfig, cfg: EvalConfig) -> RunnerConfig:
+    """The training runners' config with the eval's sampling, for the runners that evaluate."""
+    return dataclasses.replace(
+        base, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
+    )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples is correct, from n
+    samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    # Exact integers: the float form of the binomials overflows for large n.
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples: every power of 2 up to n, and n itself."""
+    return sorted({2**i for i in range(n.bit_length())} | {n})
+
+
+def is_correct(rollout: Any, threshold: float) -> bool:
+    value = rollout.score if rollout.score is not None else rollout.reward
+    return value >= threshold
+
+
+def eval_metrics(results: list[GroupResult], threshold: float = 1.0) -> dict[str, float]:
+    """`eval/<source>/<metric>` per `row["data_source"]`, and `eval/<metric>` over all prompts:
+    pass@k (averaged over the prompts with at least k samples), reward_mean (over rollouts
+    that finished), num_prompts, dropped (rollouts)."""
+    by_source: dict[str, list[GroupResult]] = defaultdict(list)
+    for result in results:
+        by_source[str(result.task.row.get("data_source", "unknown"))].append(result)
+    metrics: dict[str, float] = {}
+    for source in sorted(by_source):
+        metrics.update(_metrics(by_source[source], threshold, f"eval/{source}/"))
+    if results:
+        metrics.update(_metrics(results, threshold, "eval/"))
+    return metrics
+
+
+def _metrics(results: list[GroupResult], threshold: float, prefix: str) -> dict[str, float]:
+    # Dropped rollouts are samples too: counting only the finished ones would reward failing.
+    samples = [
+        (len(r.rollouts) + len(r.dropped), sum(is_correct(x, threshold) for x in r.rollouts))
+        for r in results
+    ]
+    metrics = {}
+    for k in pass_ks(max(n for n, _ in samples)):
+        values = [pass_at_k(n, c, k) for n, c in samples if n >= k]
+        metrics[f"{prefix}pass@{k}"] = sum(values) / len(values)
+    rewards = [x.reward for r in results for x in r.rollouts]
+    metrics[f"{prefix}reward_mean"] = sum(rewards) / len(rewards) if rewards else math.nan
+    metrics[f"{prefix}num_prompts"] = float(len(results))
+    metrics[f"{prefix}dropped"] = float(sum(len(r.dropped) for r in results))
+    return metrics
+
+
+def eval_tasks(rows: list[dict[str, Any]], cfg: EvalConfig) -> list[PromptTask]:
+    """One group of `n_samples` per eval row. Negative prompt indices and `eval-<i>` group ids
+    never collide with training prompts, which count up from 0."""
+    return [
+        PromptTask(prompt_index=-1 - i, row=row, group_id=f"eval-{i}", n=cfg.n_samples)
+        for i, row in enumerate(rows[: cfg.max_prompts])
+    ]
+
+
+def run_eval(
+    rows: list[dict[str, Any]],
+    launch: Launch,
+    cfg: EvalConfig,
+) -> list[GroupResult]:
+    """Launch every eval prompt at once and wait for all of them (the runners' deadlines bound
+    the wait); the launcher's runners and the engines queue what they cannot start yet."""
+    futures = [launch(task) for task in eval_tasks(rows, cfg)]
+    return [future.result() for future in futures]
