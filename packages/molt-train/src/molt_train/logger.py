@@ -1,0 +1,231 @@
+"""One metrics logger feeding every sink: W&B, TensorBoard, a JSONL file and the console.
+
+The driver calls `log(step, metrics)` once per step and `log_samples(step, rows)` with a few
+decoded rollouts; `close()` flushes everything and returns where it went, which
+`format_final_message` turns into the run's last lines. Files land in the run directory:
+
+    run_dir/metrics.jsonl     one JSON object per step (non-finite values as null)
+    run_dir/samples.jsonl     one JSON object per decoded rollout
+    run_dir/tensorboard/      TensorBoard event files
+    run_dir/wandb/            W&B run folder (offline runs upload later with `wandb sync`)
+
+docs/logging.md lists every metric name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+# The console table: (header, metric key, width, format). The one place to change what it shows.
+CONSOLE_COLUMNS = (
+    ("reward", "rollout/reward_mean", 8, ".4f"),
+    ("pass@1", "eval/pass@1", 7, ".3f"),
+    ("loss", "policy_loss", 10, ".4g"),
+    ("kl", "vllm_kl", 9, ".2e"),
+    ("lag", "pool/version_lag_mean", 5, ".2f"),
+    ("gen s", "timing/generation", 7, ".2f"),
+    ("train s", "timing/policy_train", 7, ".2f"),
+    ("refit s", "timing/broadcast", 7, ".2f"),
+    ("step s", "timing/step_total", 7, ".2f"),
+    ("tok/s", "perf/train_tokens_per_sec", 8, ".0f"),
+)
+STEP_WIDTH = 6
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go (`--logger.*`)."""
+
+    wandb_mode: str = "offline"  # "offline" | "online" (needs a W&B API key) | "disabled"
+    wandb_project: str = "molt"
+    run_name: str | None = None  # W&B run name; default: the run directory's name
+    tensorboard: bool = True
+    jsonl: bool = True
+    console: bool = True  # compact per-step table on stdout
+    console_every: int = 1  # print a table line every N steps (and the first step)
+    num_sample_rollouts: int = 4  # decoded rollouts per step: W&B table and samples.jsonl
+
+
+def validate_logger_config(cfg: LoggerConfig) -> None:
+    """Raise ValueError naming the flag of a setting that cannot work."""
+    if cfg.wandb_mode not in WANDB_MODES:
+        raise ValueError(
+            f"--logger.wandb_mode must be one of {WANDB_MODES}, got {cfg.wandb_mode!r}"
+        )
+    if cfg.wandb_mode == "online" and not has_wandb_credentials():
+        raise ValueError(
+            "--logger.wandb_mode online needs a W&B API key: set WANDB_API_KEY or run "
+            "`wandb login`, or use --logger.wandb_mode offline and upload later with `wandb sync`"
+        )
+    if cfg.console_every < 1:
+        raise ValueError(f"--logger.console_every must be >= 1, got {cfg.console_every}")
+    if cfg.num_sample_rollouts < 0:
+        raise ValueError(
+            f"--logger.num_sample_rollouts must be >= 0, got {cfg.num_sample_rollouts}"
+        )
+
+
+def has_wandb_credentials() -> bool:
+    """WANDB_API_KEY, or the .netrc entry `wandb login` writes for the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class MetricsLogger:
+    """Every enabled sink behind one `log` call. Usable as a context manager."""
+
+    def __init__(self, cfg: LoggerConfig, run_dir: str, config_dict: dict[str, Any]):
+        validate_logger_config(cfg)
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.paths: dict[str, str] = {}
+        self._closed = False
+        self._console_lines = 0
+
+        if cfg.jsonl:
+            self.paths["metrics"] = os.path.join(self.run_dir, "metrics.jsonl")
+
+        self._tensorboard = None
+        if cfg.tensorboard:
+            # Imported here so `--logger.tensorboard false` never loads TensorBoard.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.paths["tensorboard"] = os.path.join(self.run_dir, "tensorboard")
+            # flush_secs: a live TensorBoard trails the run by at most this.
+            self._tensorboard = SummaryWriter(self.paths["tensorboard"], flush_secs=10)
+            config_text = json.dumps(config_dict, indent=2, default=str)
+            # Indented by four spaces: TensorBoard renders text as Markdown, this as code.
+            self._tensorboard.add_text("config", config_text.replace("\n", "\n    "), 0)
+
+        self._wandb = None
+        self._wandb_run = None
+        if cfg.wandb_mode != "disabled":
+            import wandb  # only when enabled: importing it costs about a second
+
+            self._wandb = wandb
+            self._wandb_run = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.run_name or os.path.basename(self.run_dir),
+                dir=self.run_dir,  # W&B makes its own `wandb/` folder in here
+                mode=cfg.wandb_mode,
+                config=config_dict,
+                reinit="create_new",  # our own run object; never touch a caller's global run
+            )
+            # The run's own folder (…/wandb/offline-run-<time>-<id>), which `wandb sync` takes.
+            self.paths["wandb"] = os.path.dirname(self._wandb_run.dir)
+            if cfg.wandb_mode == "online":
+                self.paths["wandb_url"] = self._wandb_run.url
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Send one step's metrics to every enabled sink."""
+        values = {key: _as_float(key, value) for key, value in metrics.items()}
+        if self.cfg.jsonl:
+            _append_jsonl(self.paths["metrics"], [{"step": step, "time": time.time(), **values}])
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, step)
+        if self._wandb_run is not None:
+            self._wandb_run.log(values, step=step)
+        if self.cfg.console and (self._console_lines == 0 or step % self.cfg.console_every == 0):
+            if self._console_lines == 0:
+                print(console_header(), flush=True)
+            print(console_line(step, values), flush=True)
+            self._console_lines += 1
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Log decoded rollouts (keys prompt, response, reward, optional score, version_lag)."""
+        samples = samples[: self.cfg.num_sample_rollouts]
+        if not samples:
+            return
+        if self.cfg.jsonl:
+            self.paths["samples"] = os.path.join(self.run_dir, "samples.jsonl")
+            _append_jsonl(self.paths["samples"], [{"step": step, **sample} for sample in samples])
+        if self._wandb_run is not None:
+            columns = list(dict.fromkeys(key for sample in samples for key in sample))
+            rows = [[sample.get(column) for column in columns] for sample in samples]
+            self._wandb_run.log({"samples": self._wandb.Table(columns, rows)}, step=step)
+
+    def close(self, exit_code: int = 0) -> dict[str, str]:
+        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online)."""
+        if not self._closed:
+            self._closed = True
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+            if self._wandb_run is not None:
+                self._wandb_run.finish(exit_code=exit_code)
+        return dict(self.paths)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A run that died with an exception shows as failed in W&B.
+        self.close(exit_code=0 if exc_type is None else 1)
+
+
+def console_header() -> str:
+    cells = [f"{'step':>{STEP_WIDTH}}"]
+    cells += [f"{header:>{width}}" for header, _, width, _ in CONSOLE_COLUMNS]
+    return " ".join(cells)
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    """One fixed-width table row; a missing metric prints as '-'."""
+    cells = [f"{step:>{STEP_WIDTH}}"]
+    for _, key, width, fmt in CONSOLE_COLUMNS:
+        text = format(metrics[key], fmt) if key in metrics else "-"
+        cells.append(f"{text:>{width}}")
+    return " ".join(cells)
+
+
+def format_final_message(paths: dict[str, str], checkpoint_dir: str | None) -> str:
+    """Where the run's logs, TensorBoard files, W&B run and checkpoints are."""
+    lines = ["Run outputs:"]
+    if "metrics" in paths:
+        lines.append(f"  metrics (JSONL):  {paths['metrics']}")
+    if "samples" in paths:
+        lines.append(f"  samples (JSONL):  {paths['samples']}")
+    if "tensorboard" in paths:
+        lines.append(f"  TensorBoard:      tensorboard --logdir {paths['tensorboard']}")
+    if "wandb_url" in paths:
+        lines.append(f"  W&B:              {paths['wandb_url']}")
+    elif "wandb" in paths:
+        lines.append(f"  W&B (offline):    {paths['wandb']}")
+        lines.append(f"                    upload with: wandb sync {paths['wandb']}")
+    lines.append(f"  checkpoints:      {checkpoint_dir or 'none saved'}")
+    return "\n".join(lines)
+
+
+def _as_float(key: str, value: Any) -> float:
+    try:
+        return float(value)  # also Python ints and bools, numpy and 0-d torch scalars
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {key!r} is not a number: {value!r}") from None
+
+
+def _append_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
+    """Append and close at once: every step is on disk for `tail -f` and survives a crash."""
+    with open(path, "a", encoding="utf-8") as f:
+        for row in rows:
+            # JSON has no NaN or Infinity: null keeps every line parseable by any reader.
+            clean = {
+                key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in row.items()
+            }
+            f.write(json.dumps(clean) + "\n")
