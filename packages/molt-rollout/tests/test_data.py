@@ -77,6 +77,9 @@ def test_json_list_and_data_key(tmp_path):
     assert len(load_rows(str(tmp_path / "b.json"))) == 2
     with pytest.raises(ValueError, match="c.json: expected a list of rows"):
         load_rows(str(tmp_path / "c.json"))
+    (tmp_path / "d.json").write_text("[{")
+    with pytest.raises(ValueError, match="d.json is not valid JSON"):
+        load_rows(str(tmp_path / "d.json"))
 
 
 def test_parquet_with_tools_as_a_json_string(tmp_path):

@@ -88,7 +88,10 @@ def _read(spec: str, path: Path, split: str) -> list[Any]:
     if suffix == ".jsonl":
         return _read_jsonl(path)
     if suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{spec} is not valid JSON ({e})") from e
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             return data["data"]
         if not isinstance(data, list):
