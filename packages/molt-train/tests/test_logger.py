@@ -70,7 +70,8 @@ def test_tensorboard_events_read_back(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("policy_loss")][0] == (1, -0.5)
     assert math.isnan(events.Scalars("policy_loss")[1].value)
     assert [(e.step, e.value) for e in events.Scalars("eval/pass@1")] == [(2, 0.5)]
-    assert "config/text_summary" in events.Tags()["tensors"]
+    (config,) = events.Tensors("config/text_summary")
+    assert config.tensor_proto.string_val[0].decode() == '    {\n      "lr": 1e-06\n    }'
 
 
 def read_wandb_run(run_folder: str) -> tuple[list[dict], int | None]:

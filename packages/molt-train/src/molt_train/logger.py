@@ -109,9 +109,10 @@ class MetricsLogger:
             self.paths["tensorboard"] = os.path.join(self.run_dir, "tensorboard")
             # flush_secs: a live TensorBoard trails the run by at most this.
             self._tensorboard = SummaryWriter(self.paths["tensorboard"], flush_secs=10)
-            config_text = json.dumps(config_dict, indent=2, default=str)
-            # Indented by four spaces: TensorBoard renders text as Markdown, this as code.
-            self._tensorboard.add_text("config", config_text.replace("\n", "\n    "), 0)
+            config_lines = json.dumps(config_dict, indent=2, default=str).splitlines()
+            # Every line indented by four spaces: TensorBoard renders text as Markdown, this
+            # as a code block.
+            self._tensorboard.add_text("config", "\n".join("    " + s for s in config_lines), 0)
 
         self._wandb = None
         self._wandb_run = None
