@@ -1,0 +1,151 @@
+"""Resumable checkpoints of a run, and Hugging Face export of the policy.
+
+Layout under the checkpoint root:
+
+    step_00000100/              one complete checkpoint
+      policy/                   ActorGroup.save: sharded DCP (model, optimizer) + rank_*.pt
+      critic/ reference/ ...    one directory per actor group that was passed in
+      driver_state.json         the loop's own state (step, data position, KL controller, ...)
+    step_00000200.tmp/          a save in progress, or one a crash interrupted: never loaded
+
+A save writes everything into `step_N.tmp/`, flushes it to disk, then renames it to `step_N/`
+(a rename within one directory is atomic on POSIX file systems): a crash mid-save leaves the
+previous checkpoint as the latest, and the next save deletes the stale `.tmp`. With several
+nodes the root must be a shared file system: every rank writes its own shards.
+"""
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+DRIVER_STATE = "driver_state.json"
+SHARD_BYTES = 5 << 30  # safetensors shard size of an HF export
+
+
+class CheckpointManager:
+    def __init__(self, root: str, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, step: int, actors: dict, driver_state: dict) -> str:
+        """Checkpoint every actor group (role -> ActorGroup) and the driver's state at `step`;
+        return the checkpoint's path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob("step_*.tmp"):
+            shutil.rmtree(stale)
+        final = self.root / f"step_{step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.mkdir()
+        for role, group in actors.items():
+            group.save(str(tmp / role))
+        with open(tmp / DRIVER_STATE, "w") as f:
+            json.dump(driver_state, f, indent=2)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (a resumed run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return str(final)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest(self) -> str | None:
+        found = self.checkpoints()
+        return str(found[-1]) if found else None
+
+    def load(self, path: str, actors: dict) -> dict:
+        """Restore every actor group from checkpoint `path`; return its driver state."""
+        for role, group in actors.items():
+            group.load(str(Path(path) / role))
+        return self.load_driver_state(path)
+
+    @staticmethod
+    def load_driver_state(path: str) -> dict:
+        with open(Path(path) / DRIVER_STATE) as f:
+            return json.load(f)
+
+    @staticmethod
+    def export_hf(actor, path: str) -> str:
+        """The actor group's current weights as a Hugging Face checkpoint at `path`."""
+        actor.export_hf(path)
+        return path
+
+    def _prune(self) -> None:
+        for old in self.checkpoints()[: -self.keep_last]:
+            shutil.rmtree(old)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file the workers wrote, then the directories naming them."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
+
+
+def write_hf_checkpoint(
+    path: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config, source: str
+) -> None:
+    """safetensors shards (+ index when more than one), the model config and the source
+    model's tokenizer and generation config: loadable by AutoModelForCausalLM and vLLM."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tied = getattr(config, "tie_word_embeddings", False)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in named_tensors:
+        if tied and name == "lm_head.weight":  # the embedding holds it
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.cpu().contiguous()
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(str(out))
+    source_dir = Path(source)
+    if (source_dir / "generation_config.json").exists():
+        shutil.copy(source_dir / "generation_config.json", out / "generation_config.json")
+    AutoTokenizer.from_pretrained(source).save_pretrained(str(out))

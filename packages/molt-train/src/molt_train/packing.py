@@ -1,0 +1,209 @@
+"""Token-budget packing of rollout segments into microbatches, and their split across ranks.
+
+A microbatch is ONE row of concatenated sequences whose `position_ids` restart at 0 for each
+sequence. Transformers (5.x) reads restarting position ids without an attention mask as packed
+documents and builds a block-diagonal causal mask, so no token attends across a sequence border
+(checked against one-at-a-time forwards in tests/test_packing.py). Packing wastes no compute
+on padding, which a padded [num_seqs, max_len] batch would.
+
+Log-prob convention (shared with molt-capture's `Segment`): the value at position t is
+log p(token_ids[t] | token_ids[:t]); position 0 has no context and carries 0.0. In a packed row
+the model's output at packed position p predicts token p + 1, so per-token results are
+computed from `hidden[:-1]` against `input_ids[1:]` and shifted right by one (`shift_right`);
+the first token of every sequence then holds a cross-sequence value that is never used.
+
+The loss functions need one row per sequence (GSPO's sequence ratio, seq-mean aggregation), so
+per-token results are scattered from the packed row into a padded [S, L] layout by
+`PackedBatch.to_rows`; the samples' own fields (advantages, weights, ...) are built in that
+layout directly.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Sample fields carried per token into the loss, besides loss_mask.
+TOKEN_FIELDS = ("advantages", "old_logprobs", "weights", "ref_logprobs", "returns", "old_values")
+
+
+@dataclass
+class Sample:
+    """One token-exact sequence (a rollout segment) and its per-token training inputs."""
+
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 where trained (generated tokens), aligned with token_ids
+    temperature: float = 1.0
+    advantages: list[float] | None = None  # per token (0 where masked)
+    old_logprobs: list[float] | None = None  # proximal policy (recomputed by the trainer)
+    weights: list[float] | None = None  # per-token IS-correction weights (1.0 default)
+    ref_logprobs: list[float] | None = None  # for a KL loss
+    returns: list[float] | None = None  # critic targets (GAE); value model only
+    old_values: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError("a Sample needs at least one token")
+        if len(self.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} tokens")
+        for name in TOKEN_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries for {n} tokens")
+        if self.loss_mask[0]:
+            raise ValueError("loss_mask[0] is 1, but the first token has no context to predict it")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def num_trained(self) -> int:
+        return sum(1 for m in self.loss_mask if m)
+
+
+# ---------------------------------------------------------------- planning (indices only)
+
+
+def pack_by_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit-decreasing: bins of indices whose lengths sum to at most `max_tokens`. A
+    sequence longer than the budget cannot be split (its tokens attend to each other), so it
+    gets a bin of its own."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def plan_microbatches(
+    samples: list[Sample], max_tokens: int, dp_size: int
+) -> list[list[list[int]]]:
+    """Sample indices per data-parallel rank per microbatch: plan[rank][microbatch] = [i, ...].
+
+    Samples are packed per temperature (one microbatch, one temperature: the log-prob function
+    takes a scalar), microbatches are dealt to ranks largest first onto the rank with the
+    fewest tokens, and every rank gets the same number of microbatches (FSDP's collectives run
+    once per forward on every rank), padded with empty ones ([]).
+    """
+    by_temperature: dict[float, list[int]] = {}
+    for i, sample in enumerate(samples):
+        by_temperature.setdefault(sample.temperature, []).append(i)
+    microbatches: list[list[int]] = []
+    for indices in by_temperature.values():
+        lengths = [len(samples[i].token_ids) for i in indices]
+        microbatches += [[indices[j] for j in b] for b in pack_by_budget(lengths, max_tokens)]
+
+    def tokens(mb: list[int]) -> int:
+        return sum(len(samples[i].token_ids) for i in mb)
+
+    per_rank = -(-len(microbatches) // dp_size)  # ceil
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for mb in sorted(microbatches, key=tokens, reverse=True):
+        rank = min((r for r in range(dp_size) if len(plan[r]) < per_rank), key=lambda r: load[r])
+        plan[rank].append(mb)
+        load[rank] += tokens(mb)
+    for rank_plan in plan:
+        rank_plan += [[] for _ in range(per_rank - len(rank_plan))]
+    return plan
+
+
+def unplan(plan: list[list[list[int]]], results: list[list[list]], count: int) -> list:
+    """Put per-sample results (results[rank][microbatch][k] for plan[rank][microbatch][k])
+    back into the samples' original order."""
+    ordered: list = [None] * count
+    for rank_plan, rank_results in zip(plan, results, strict=True):
+        for mb, mb_results in zip(rank_plan, rank_results, strict=True):
+            for i, result in zip(mb, mb_results, strict=True):
+                ordered[i] = result
+    return ordered
+
+
+# ---------------------------------------------------------------- tensors of one microbatch
+
+
+@dataclass
+class PackedBatch:
+    input_ids: Tensor  # [1, T] the sequences, concatenated
+    position_ids: Tensor  # [1, T] restarting at 0 for each sequence
+    row_index: Tensor  # [S, L] packed position of each sequence's token t (0 where padded)
+    valid: Tensor  # [S, L] bool: t < the sequence's length
+    loss_mask: Tensor  # [S, L] bool
+    temperature: float
+    lengths: list[int]
+    fields: dict[str, Tensor | None]  # TOKEN_FIELDS as [S, L] float32; None where absent
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    def to_rows(self, packed: Tensor) -> Tensor:
+        """[T] per packed position -> [S, L] per sequence and token, 0 where padded."""
+        return torch.where(self.valid, packed[self.row_index], torch.zeros_like(packed[:1]))
+
+    def to_lists(self, rows: Tensor, only_trained: bool = True) -> list[list[float]]:
+        """[S, L] -> one list per sequence; 0.0 outside the loss mask when `only_trained`."""
+        if only_trained:
+            rows = torch.where(self.loss_mask, rows, torch.zeros_like(rows))
+        values = rows.detach().float().cpu().tolist()
+        return [row[:n] for row, n in zip(values, self.lengths, strict=True)]
+
+
+def pack(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBatch:
+    """One packed row of `samples` (all of one temperature)."""
+    temperatures = {s.temperature for s in samples}
+    if len(temperatures) != 1:
+        raise ValueError(f"a microbatch needs one temperature, got {sorted(temperatures)}")
+    lengths = [len(s.token_ids) for s in samples]
+    width = max(lengths)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    offsets = torch.arange(width)
+    valid = offsets[None, :] < torch.tensor(lengths)[:, None]
+    row_index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+
+    def rows(name: str) -> Tensor:
+        return torch.tensor(
+            [getattr(s, name) + [0] * (width - len(s.token_ids)) for s in samples],
+            dtype=torch.float32,
+        )
+
+    fields_ = {}
+    for name in TOKEN_FIELDS:
+        present = [getattr(s, name) is not None for s in samples]
+        if all(present):
+            fields_[name] = rows(name).to(device)
+        elif any(present):
+            raise ValueError(f"{name} is set on some samples of a batch but not on others")
+        else:
+            fields_[name] = None
+    return PackedBatch(
+        input_ids=torch.tensor([[t for s in samples for t in s.token_ids]], device=device),
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
+        row_index=row_index.to(device),
+        valid=valid.to(device),
+        loss_mask=(rows("loss_mask") > 0).to(device) & valid.to(device),
+        temperature=temperatures.pop(),
+        lengths=lengths,
+        fields=fields_,
+    )
+
+
+def empty_batch(device: torch.device | str = "cpu") -> PackedBatch:
+    """A two-token batch with nothing trained, for a rank with fewer real microbatches: it runs
+    the same forward/backward collectives and contributes exactly zero loss and gradient."""
+    return pack([Sample(token_ids=[0, 0], loss_mask=[0, 0])], device)
+
+
+def shift_right(per_position: Tensor | None) -> Tensor | None:
+    """Values computed from hidden[:-1] (predicting tokens 1..T-1) -> aligned with the tokens
+    they predict, [T], 0.0 at packed position 0."""
+    if per_position is None:
+        return None
+    return torch.cat([per_position.new_zeros(1), per_position])

@@ -1,0 +1,508 @@
+"""One rank of an actor group: builds the sharded model, runs forward passes and optimizer
+steps, hands out full weights (refit, export) and writes sharded checkpoints.
+
+A plain class: `ActorGroup` runs it as `ray.remote(PolicyWorker)`, and
+benchmarks/actor_gpu_smoke.py runs it under torchrun without Ray. Every method after `setup`
+must be called on all ranks at once: each runs FSDP collectives.
+"""
+
+import copy
+import os
+import random
+import resource
+import socket
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from molt_algos import POLICY_LOSSES, LossConfig, aggregate, kl_estimate, value_loss
+from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
+from molt_algos.masked import masked_sum
+from molt_train.actor import DTYPES, ActorConfig, FSDPConfig, lr_at, router_params
+from molt_train.packing import Sample, empty_batch, pack, shift_right
+
+
+def _or_zeros(values: Tensor | None, like: Tensor) -> Tensor:
+    """A field absent from a batch: only an empty (padding) microbatch, where nothing is
+    trained, lacks the fields the driver checked for."""
+    return torch.zeros_like(like, dtype=torch.float32) if values is None else values
+
+
+def _hf_name(name: str) -> str:
+    """State-dict name without the wrappers activation checkpointing / compile insert."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+class PolicyWorker:
+    """One rank of the actor. Call `setup` on every rank at once (it joins the process group),
+    then any method on every rank at once: each runs FSDP collectives."""
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        fsdp: FSDPConfig,
+        role: str,
+        rank: int,
+        world_size: int,
+        on_gpu: bool,
+    ) -> None:
+        self.cfg, self.fsdp, self.role = cfg, fsdp, role
+        self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
+        self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
+        self.refitter = None
+        self.optimizer = self.scheduler = None
+        self.steps = 0
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's address, a free port) for the process group's TCP rendezvous."""
+        try:
+            import ray
+
+            address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except ImportError:
+            address = "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return address, sock.getsockname()[1]
+
+    def setup(
+        self, model_path: str, master_addr: str | None = None, master_port: int | None = None
+    ) -> None:
+        """Join the world (env:// when no address is given, as under torchrun), build and shard
+        the model, create the optimizer."""
+        from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+        from nemo_automodel.components.distributed.mesh import ParallelismSizes
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        self.model_path = model_path
+        if self.on_gpu:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        init = f"tcp://{master_addr}:{master_port}" if master_addr else "env://"
+        dist.init_process_group(
+            "nccl" if self.on_gpu else "gloo",
+            init_method=init,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(minutes=30),
+        )
+
+        compute = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
+        strategy = FSDP2Config(
+            # Master weights, gradients' reduction and Adam states in fp32; compute in `dtype`.
+            mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+            # FSDP2's CPU offload keeps sharded params, gradients and Adam states on the host
+            # and steps there. On CPU everything already lives on the host: a no-op.
+            offload_policy=CPUOffloadPolicy()
+            if self.on_gpu and self.fsdp.offload == "optimizer"
+            else None,
+            reshard_after_forward=self.fsdp.reshard_after_forward,
+            activation_checkpointing=self.cfg.gradient_checkpointing,
+        )
+        sizes = ParallelismSizes(
+            tp_size=self.fsdp.tp_size, cp_size=self.fsdp.cp_size, ep_size=self.fsdp.ep_size
+        )
+        self.setup_ = DistributedSetup.build(
+            strategy,
+            sizes,
+            world_size=self.world_size,
+            activation_checkpointing=self.cfg.gradient_checkpointing,
+        )
+        # Every rank initialises any new weights (the critic's value head) identically; the
+        # per-rank seed below is for everything after.
+        torch.manual_seed(self.cfg.seed)
+        self.model = self._build_model(model_path)
+        self._seed(self.cfg.seed + self.rank)
+
+        if self.cfg.freeze_moe_router:
+            for name, param in self.model.named_parameters():
+                if router_params([name]):
+                    param.requires_grad_(False)
+        if self.role == "reference":
+            self.model.requires_grad_(False)
+            return
+        optim = self.cfg.optim
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            trainable,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_at(step, optim) / optim.lr
+        )
+
+    def _build_model(self, path: str) -> torch.nn.Module:
+        """CPU: the transformers model sharded by AutoModel's own FSDP2 parallelizer (AutoModel's
+        factories call torch.cuda and fail on CPU). GPU: AutoModel's factories (native model
+        classes, TP/EP), fp32 master weights with the mixed-precision policy above."""
+        critic = self.role == "critic"
+        # The critic is the same backbone with a one-output token head: its value at token t
+        # reads the hidden state of token t - 1, like a log-prob.
+        head = {"num_labels": 1, "classifier_dropout": 0.0} if critic else {}
+        if self.on_gpu:
+            from nemo_automodel import (
+                NeMoAutoModelForCausalLM,
+                NeMoAutoModelForTokenClassification,
+            )
+
+            factory = NeMoAutoModelForTokenClassification if critic else NeMoAutoModelForCausalLM
+            # No Liger kernels: the trainer computes log-probs itself from the hidden states.
+            return factory.from_pretrained(
+                path,
+                distributed_setup=self.setup_,
+                dtype=torch.float32,
+                use_liger_kernel=False,
+                **head,
+            )
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        factory = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+        model = factory.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa", **head
+        )
+        return parallelize_model(model, self.setup_.mesh_context)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _token_stats(self, batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs (or values, for the critic) and entropy as [S, L] rows."""
+        inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        targets = batch.input_ids[0, 1:]
+        if self.role == "critic":
+            values = self.model(**inputs).logits[0, :-1, 0].float()
+            return batch.to_rows(shift_right(values)), None
+        if self.fsdp.tp_size == 1:
+            # Project only one position in the model; log-probs come from the final hidden
+            # states block by block, never holding [T, V] logits. The LM head stays gathered
+            # after forward (AutoModel shards it with reshard_after_forward=False), so its
+            # weight here is the full compute-dtype tensor and FSDP reduces its gradient.
+            out = self.model(**inputs, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1][0, :-1]
+            logprobs, entropy = token_logprobs_and_entropy(
+                hidden,
+                self.model.lm_head.weight,
+                targets,
+                batch.temperature,
+                self.cfg.logprob_chunk_size,
+                with_entropy,
+            )
+        else:
+            # Under TP the LM head is vocabulary-sharded: let the model gather the logits.
+            logits = self.model(**inputs).logits[0, :-1]
+            logprobs, entropy = logprobs_from_logits(
+                logits, targets, batch.temperature, self.cfg.logprob_chunk_size, with_entropy
+            )
+        rows = batch.to_rows(shift_right(logprobs))
+        return rows, None if entropy is None else batch.to_rows(shift_right(entropy))
+
+    @torch.no_grad()
+    def forward_logprobs(self, microbatches: list[list[Sample]]) -> list[list[list[float]]]:
+        """Log-probs (values for the critic) per microbatch per sample; 0.0 off the loss mask."""
+        self.model.eval()
+        results = []
+        for samples in microbatches:
+            batch = pack(samples, self.device) if samples else empty_batch(self.device)
+            rows, _ = self._token_stats(batch, with_entropy=False)
+            results.append(batch.to_lists(rows) if samples else [])
+        self._reshard()
+        return results
+
+    def _reshard(self) -> None:
+        """Units kept gathered after a no-grad forward would go stale at the next optimizer
+        step or checkpoint load; put every unit back to its shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def train_step(
+        self,
+        microbatches: list[list[Sample]],
+        num_tokens: int,
+        num_sequences: int,
+        loss_name: str,
+        loss_cfg: LossConfig,
+        aggregation: str = "token-mean",
+        kl_loss_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+        value_clip: float | None = 0.2,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences`
+        count the whole step window (all ranks), so every microbatch's loss is its share of
+        one global mean (molt_algos.aggregation) and the update does not depend on the split."""
+        from nemo_automodel.components.distributed.tp_replicas import (
+            synchronize_tp_replica_gradients,
+        )
+        from nemo_automodel.components.training.utils import (
+            get_expert_tp_replication_factor,
+            prepare_for_final_backward,
+            prepare_for_grad_accumulation,
+            scale_grads_and_clip_grad_norm,
+        )
+
+        def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
+            return aggregate(per_token, mask, aggregation, num_tokens, num_sequences, self.dp_size)
+
+        self.model.train()
+        totals: dict[str, float] = {}  # summed over microbatches and ranks
+        weighted: dict[str, float] = {}  # token-weighted: summed value * tokens, / num_tokens
+
+        def record(stats: dict[str, float], per_tokens: dict[str, float], tokens: int) -> None:
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+            for key, value in per_tokens.items():
+                weighted[key] = weighted.get(key, 0.0) + value * tokens
+
+        prepare_for_grad_accumulation([self.model])
+        for i, samples in enumerate(microbatches):
+            if i == len(microbatches) - 1:
+                prepare_for_final_backward([self.model])
+            batch = pack(samples, self.device) if samples else empty_batch(self.device)
+            mask, tokens = batch.loss_mask, int(batch.loss_mask.sum())
+            if self.role == "critic":
+                values, _ = self._token_stats(batch, with_entropy=False)
+                old = batch.fields["old_values"]
+                returns = _or_zeros(batch.fields["returns"], values)
+                result = value_loss(
+                    values, values.detach() if old is None else old, returns, mask, value_clip
+                )
+                loss = reduce(result.per_token, mask)
+                record({"value_loss": loss.item() / self.dp_size}, result.metrics, tokens)
+                loss.backward()
+                continue
+            logprobs, entropy = self._token_stats(batch, with_entropy=True)
+            old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
+            result = POLICY_LOSSES[loss_name](
+                logprobs,
+                logprobs.detach() if old is None else old,
+                _or_zeros(batch.fields["advantages"], logprobs),
+                mask,
+                loss_cfg,
+            )
+            per_token = result.per_token if weights is None else result.per_token * weights
+            policy_loss = reduce(per_token, mask)
+            loss = policy_loss - entropy_coef * reduce(entropy, mask)
+            stats = {"policy_loss": policy_loss.item() / self.dp_size}
+            per_tokens = dict(result.metrics)
+            per_tokens["entropy"] = (masked_sum(entropy.detach(), mask) / max(tokens, 1)).item()
+            if kl_loss_coef > 0:
+                ref = batch.fields["ref_logprobs"]
+                ref = logprobs.detach() if ref is None else ref
+                kl = kl_estimate(logprobs, ref, mask, kl_estimator)
+                loss = loss + kl_loss_coef * reduce(kl, mask)
+                per_tokens["ref_kl"] = (masked_sum(kl.detach(), mask) / max(tokens, 1)).item()
+            record(stats, per_tokens, tokens)
+            loss.backward()
+
+        mesh, moe_mesh = self.setup_.mesh_context.device_mesh, self.setup_.mesh_context.moe_mesh
+        synchronize_tp_replica_gradients([self.model], mesh)
+        grad_norm = scale_grads_and_clip_grad_norm(
+            self.cfg.optim.max_grad_norm,
+            [self.model],
+            device_mesh=mesh,
+            moe_mesh=moe_mesh,
+            ep_axis_name="ep" if moe_mesh is not None else None,
+            dp_group_size=self.dp_size,
+            expert_tp_replication_factor=get_expert_tp_replication_factor([self.model], mesh),
+        )
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step is taken with
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.steps += 1
+
+        metrics = self._all_reduce_metrics(totals, weighted, num_tokens)
+        if "loss/clip_frac" in metrics:
+            metrics["policy_clip_ratio"] = metrics["loss/clip_frac"]
+            metrics["policy_kl"] = metrics["loss/approx_kl"]  # k3 of KL(pi_old || pi)
+        metrics.update(
+            {
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "train/tokens": float(num_tokens),
+                "perf/peak_memory_gb": self._peak_memory_gb(),
+            }
+        )
+        return metrics
+
+    def _all_reduce_metrics(
+        self, totals: dict[str, float], weighted: dict[str, float], num_tokens: int
+    ) -> dict[str, float]:
+        keys = sorted(totals), sorted(weighted)
+        values = torch.tensor(
+            [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(values)
+        values = (values / self.fsdp.tp_size).tolist()  # a TP group holds one copy of the data
+        out = dict(zip(keys[0], values[: len(keys[0])], strict=True))
+        for key, value in zip(keys[1], values[len(keys[0]) :], strict=True):
+            out[key] = value / max(num_tokens, 1)
+        return out
+
+    def _peak_memory_gb(self) -> float:
+        if self.on_gpu:
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=self.device)
+        else:  # the process's peak resident set (Linux reports KiB)
+            peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak)
+
+    # ------------------------------------------------------------------ weights out
+
+    def named_full_tensors(self, dtype: torch.dtype | None = None):
+        """(HF name, full tensor) for every state-dict entry, unsharded. Every rank must iterate
+        it in step: each gather is a collective. Native AutoModel classes (MoE) convert their
+        layout back to HF names and shapes through their state-dict adapter."""
+        from torch.distributed.tensor import DTensor
+
+        adapter = getattr(self.model, "state_dict_adapter", None)
+        for name, tensor in self.model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                # With offload the shards live on the host; gather on the device.
+                tensor = tensor.to(self.device).full_tensor()
+            tensor = tensor.detach().to(dtype or tensor.dtype)
+            name = _hf_name(name)
+            yield from (
+                adapter.convert_single_tensor_to_hf(name, tensor) if adapter else [(name, tensor)]
+            )
+
+    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
+        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker."""
+        if self.rank != 0:
+            return
+        from molt_rollout.refit import Refitter
+
+        self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu)
+        self.refitter.init_transfer()
+
+    def refit(self, version: int) -> dict[str, float]:
+        """Every rank gathers; rank 0 streams the tensors to the engines as they come."""
+        dtype = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
+        tensors = self.named_full_tensors(dtype)
+        if self.rank == 0:
+            return self.refitter.refit(tensors, version)
+        for _ in tensors:
+            pass
+        return {}
+
+    def engine_call(self, method: str, *args) -> None:
+        """set_version / pause / resume on rank 0's Refitter."""
+        if self.rank == 0:
+            getattr(self.refitter, method)(*args)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str) -> None:
+        """Sharded DCP of model (+ optimizer) into `path`; scheduler, step count and RNG states
+        per rank beside it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        os.makedirs(path, exist_ok=True)
+        if self.optimizer is None:
+            state = {"model": get_model_state_dict(self.model)}
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optim": optim_state}
+        dcp.save(state, checkpoint_id=path)
+        extra = {
+            "steps": self.steps,
+            "rng": self._rng_state(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+        }
+        torch.save(extra, os.path.join(path, f"rank_{self.rank:05d}.pt"))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        self._reshard()
+        if self.optimizer is None:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"])
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+        # Our own file, written by save() above: it holds numpy's RNG state, not just tensors.
+        extra = torch.load(os.path.join(path, f"rank_{self.rank:05d}.pt"), weights_only=False)
+        self.steps = extra["steps"]
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self._set_rng_state(extra["rng"])
+
+    def _seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # also seeds every CUDA device
+
+    def _rng_state(self) -> dict:
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if self.on_gpu:
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def export_hf(self, path: str) -> None:
+        """safetensors shards + config + tokenizer, written by rank 0, in the dtype the source
+        checkpoint declares (the model trains on fp32 master weights)."""
+        from transformers import AutoConfig
+
+        from molt_train.checkpoint import write_hf_checkpoint
+
+        config = copy.deepcopy(self.model.config)
+        declared = getattr(AutoConfig.from_pretrained(self.model_path), "dtype", None)
+        if isinstance(declared, str):
+            declared = getattr(torch, declared, None)
+        config.dtype = declared if isinstance(declared, torch.dtype) else torch.float32
+        tensors = self.named_full_tensors(config.dtype)
+        if self.rank == 0:
+            write_hf_checkpoint(path, tensors, config, self.model_path)
+        else:
+            for _ in tensors:
+                pass
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.refitter is not None:
+            self.refitter.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
