@@ -70,6 +70,8 @@ class SimEngine:
         rollouts: list[Rollout] = []
 
         def one_done(f: Future) -> None:
+            if f.cancelled():  # close() cancels queued rollouts; their group is abandoned
+                return
             with self.lock:
                 rollouts.append(f.result())
                 done = len(rollouts) == task.n
@@ -125,18 +127,17 @@ def run(args: argparse.Namespace, sync: bool) -> Measured:
     pool = RolloutPool(InfiniteSource(), engine.launch, config)
     pool.start()
     waits, stale, lags = [], 0.0, []
-    version, t_begin = 0, 0.0
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
+    t_begin = 0.0
+    for version in range(args.warmup + args.steps):  # one optimizer step per weight version
+        if version == args.warmup:
             t_begin = time.perf_counter()
         batch = pool.next_batch(version, timeout_s=60)
-        if step >= args.warmup:
+        if version >= args.warmup:
             waits.append(batch.metrics["pool/wait_s"])
             stale += batch.metrics["pool/stale_dropped"] + batch.metrics["pool/stale_requeued"]
             lags.append(batch.metrics["pool/version_lag_mean"])
         time.sleep(args.train_ms / 1e3)  # the optimizer step
-        version += 1
-        engine.version = version  # the refit
+        engine.version = version + 1  # the refit
     t_end = time.perf_counter()
     pool.close()
     engine.close()
