@@ -269,6 +269,25 @@ def test_failing_launcher_stops_the_pool_instead_of_hanging():
     pool.close()
 
 
+def test_a_raising_filter_stops_the_pool():
+    def bad_filter(group):
+        raise KeyError("reward_std")
+
+    launcher = ManualLauncher()
+    pool = RolloutPool(
+        ListSource(100),
+        launcher,
+        PoolConfig(groups_per_batch=1, max_inflight_groups=1, n_samples_per_prompt=2),
+        group_filter=bad_filter,
+    )
+    pool.start()
+    launcher.wait_launched(1)
+    launcher.finish("p0")
+    with pytest.raises(RuntimeError, match="reward_std"):
+        pool.next_batch(version=0, timeout_s=1)
+    pool.close()
+
+
 def test_timeout_names_finished_and_in_flight():
     launcher = ManualLauncher()
     pool = started(ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=3,

@@ -312,8 +312,8 @@ class RolloutPool:
         if result is not None:
             try:  # judged outside the lock: the filter is user code and may be slow
                 verdict, versions = self._judge(result)
-            except Exception as e:
-                verdict, error = "filter_error", e
+            except Exception as e:  # the filter raised, or the result is malformed: a bug
+                verdict, error = "fatal", e
         with self._cond:
             if self._closed or self._pending.pop(task.group_id, None) is None:
                 return  # abandoned by close()
@@ -335,7 +335,7 @@ class RolloutPool:
         versions: list[Counter[int]],
         error: BaseException | None,
     ) -> None:
-        if verdict == "filter_error":
+        if verdict == "fatal":
             self._error = error
             return
         if verdict == "runner_error":
