@@ -7,6 +7,7 @@ engine that holds its prefix cache and places new sessions on the least-loaded e
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +27,10 @@ class Router:
         self.url = ""
 
     def start(self) -> str:
-        executable = shutil.which("vllm-router")
+        # The interpreter's own bin directory first: a venv used without activating it.
+        executable = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or (
+            shutil.which("vllm-router")
+        )
         if executable is None:
             raise EngineError("vllm-router is not installed (pip install vllm-router)")
         port = free_port()

@@ -67,9 +67,9 @@ class RunnerGroup:
                  runner: RunnerConfig, request_timeout_s: float, max_retries: int) -> None:  # fmt: skip
         if cfg.num_runners < 1 or cfg.cpus_per_runner < 0:
             raise ValueError("--rollout.num_runners must be >= 1, --rollout.cpus_per_runner >= 0")
-        actor = ray.remote(
-            num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups
-        )(AgentWorker)
+        actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
+            AgentWorker
+        )
         self.actors = [
             actor.remote(agent, model, router_url, runner, request_timeout_s, max_retries)
             for _ in range(cfg.num_runners)
