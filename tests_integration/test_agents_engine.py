@@ -155,7 +155,9 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
             for group in batch.groups:
                 for r in group.rollouts:
                     for seg in r.segments:
-                        trained = {v for v, t in zip(seg.weight_versions, seg.trainable) if t}
+                        trained = {
+                            v for v, t in zip(seg.weight_versions, seg.trainable, strict=True) if t
+                        }
                         assert trained == {version}
             assert batch.metrics["pool/version_lag_max"] == 0
     finally:

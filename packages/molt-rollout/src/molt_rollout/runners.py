@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -83,8 +84,6 @@ class RunnerGroup:
 
     def shutdown(self) -> None:
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # a dead actor has nothing left to close
                 ray.get(actor.close.remote(), timeout=10)
-            except Exception:
-                pass  # a dead actor has nothing left to close
             ray.kill(actor)
