@@ -258,6 +258,11 @@ class ActorGroup:
         )
         return results[0]
 
+    def full_state(self) -> dict:
+        """Unsharded weights (HF names) and optimizer state, gathered to the driver: small models
+        only (tests, debugging)."""
+        return self._all(lambda r, w: w.full_state.remote())[0]
+
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
         self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg))
 

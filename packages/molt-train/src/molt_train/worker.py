@@ -22,7 +22,56 @@ from molt_algos import POLICY_LOSSES, LossConfig, aggregate, kl_estimate, value_
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_algos.masked import masked_sum
 from molt_train.actor import DTYPES, ActorConfig, FSDPConfig, lr_at, router_params
-from molt_train.packing import Sample, empty_batch, pack, shift_right
+from molt_train.packing import PackedBatch, Sample, empty_batch, pack, shift_right
+
+
+def packed_token_stats(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    chunk_size: int,
+    with_entropy: bool,
+    critic: bool = False,
+    from_hidden: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs of the temperature-scaled distribution (values, for a critic) and
+    entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids."""
+    inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    targets = batch.input_ids[0, 1:]
+    if critic:
+        values = model(**inputs).logits[0, :-1, 0].float()
+        return batch.to_rows(shift_right(values)), None
+    if from_hidden:
+        # Project only one position in the model; log-probs come from the final hidden states
+        # block by block, never holding [T, V] logits. Under FSDP2 the LM head stays gathered
+        # after forward (AutoModel shards it with reshard_after_forward=False), so its weight
+        # here is the full compute-dtype tensor, and FSDP reduces its gradient after backward.
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1][0, :-1]
+        logprobs, entropy = token_logprobs_and_entropy(
+            hidden, model.lm_head.weight, targets, batch.temperature, chunk_size, with_entropy
+        )
+    else:
+        # Under TP the LM head is vocabulary-sharded: let the model gather the logits.
+        logits = model(**inputs).logits[0, :-1]
+        logprobs, entropy = logprobs_from_logits(
+            logits, targets, batch.temperature, chunk_size, with_entropy
+        )
+    rows = batch.to_rows(shift_right(logprobs))
+    return rows, None if entropy is None else batch.to_rows(shift_right(entropy))
+
+
+def _init_adam_state(optimizer: torch.optim.AdamW) -> None:
+    """Adam's state as its first step would create it (step 0, zero moments), created now: a
+    checkpoint taken before the first step would otherwise have DCP create it by running a
+    zero-gradient step, which counts as step 1 and changes the bias correction of every later
+    update."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.state[param] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param),
+                "exp_avg_sq": torch.zeros_like(param),
+            }
 
 
 def _or_zeros(values: Tensor | None, like: Tensor) -> Tensor:
@@ -135,6 +184,7 @@ class PolicyWorker:
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
+        _init_adam_state(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_at(step, optim) / optim.lr
         )
@@ -142,11 +192,12 @@ class PolicyWorker:
     def _build_model(self, path: str) -> torch.nn.Module:
         """CPU: the transformers model sharded by AutoModel's own FSDP2 parallelizer (AutoModel's
         factories call torch.cuda and fail on CPU). GPU: AutoModel's factories (native model
-        classes, TP/EP), fp32 master weights with the mixed-precision policy above."""
+        classes, TP/EP), fp32 master weights with the mixed-precision policy above.
+
+        The critic is the same backbone with a one-output token head: its value at token t
+        reads the hidden state of token t - 1, like a log-prob."""
         critic = self.role == "critic"
-        # The critic is the same backbone with a one-output token head: its value at token t
-        # reads the hidden state of token t - 1, like a log-prob.
-        head = {"num_labels": 1, "classifier_dropout": 0.0} if critic else {}
+        head = {"num_labels": 1} if critic else {}
         if self.on_gpu:
             from nemo_automodel import (
                 NeMoAutoModelForCausalLM,
@@ -155,54 +206,42 @@ class PolicyWorker:
 
             factory = NeMoAutoModelForTokenClassification if critic else NeMoAutoModelForCausalLM
             # No Liger kernels: the trainer computes log-probs itself from the hidden states.
-            return factory.from_pretrained(
+            model = factory.from_pretrained(
                 path,
                 distributed_setup=self.setup_,
                 dtype=torch.float32,
                 use_liger_kernel=False,
                 **head,
             )
-        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        else:
+            from nemo_automodel.components.distributed.model_parallelizer import (
+                parallelize_model,
+            )
+            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        factory = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-        model = factory.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa", **head
-        )
-        return parallelize_model(model, self.setup_.mesh_context)
+            factory = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+            model = factory.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa", **head
+            )
+            model = parallelize_model(model, self.setup_.mesh_context)
+        # The token head's dropout (0.1 by default): old and new values of the same weights
+        # must agree for the clipped value loss.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        return model
 
     # ------------------------------------------------------------------ forward passes
 
-    def _token_stats(self, batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs (or values, for the critic) and entropy as [S, L] rows."""
-        inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-        targets = batch.input_ids[0, 1:]
-        if self.role == "critic":
-            values = self.model(**inputs).logits[0, :-1, 0].float()
-            return batch.to_rows(shift_right(values)), None
-        if self.fsdp.tp_size == 1:
-            # Project only one position in the model; log-probs come from the final hidden
-            # states block by block, never holding [T, V] logits. The LM head stays gathered
-            # after forward (AutoModel shards it with reshard_after_forward=False), so its
-            # weight here is the full compute-dtype tensor and FSDP reduces its gradient.
-            out = self.model(**inputs, output_hidden_states=True, logits_to_keep=1)
-            hidden = out.hidden_states[-1][0, :-1]
-            logprobs, entropy = token_logprobs_and_entropy(
-                hidden,
-                self.model.lm_head.weight,
-                targets,
-                batch.temperature,
-                self.cfg.logprob_chunk_size,
-                with_entropy,
-            )
-        else:
-            # Under TP the LM head is vocabulary-sharded: let the model gather the logits.
-            logits = self.model(**inputs).logits[0, :-1]
-            logprobs, entropy = logprobs_from_logits(
-                logits, targets, batch.temperature, self.cfg.logprob_chunk_size, with_entropy
-            )
-        rows = batch.to_rows(shift_right(logprobs))
-        return rows, None if entropy is None else batch.to_rows(shift_right(entropy))
+    def _token_stats(self, batch: PackedBatch, with_entropy: bool):
+        return packed_token_stats(
+            self.model,
+            batch,
+            self.cfg.logprob_chunk_size,
+            with_entropy,
+            critic=self.role == "critic",
+            from_hidden=self.fsdp.tp_size == 1,
+        )
 
     @torch.no_grad()
     def forward_logprobs(self, microbatches: list[list[Sample]]) -> list[list[list[float]]]:
@@ -380,6 +419,21 @@ class PolicyWorker:
             yield from (
                 adapter.convert_single_tensor_to_hf(name, tensor) if adapter else [(name, tensor)]
             )
+
+    def full_state(self) -> dict | None:
+        """Unsharded weights (from `named_full_tensors`) and optimizer state on rank 0's host,
+        None on the other ranks. For small models: tests and debugging."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        weights = {name: t.cpu() for name, t in self.named_full_tensors()}
+        optim = None
+        if self.optimizer is not None:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
+        return {"model": weights, "optim": optim, "steps": self.steps} if self.rank == 0 else None
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
         """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker."""

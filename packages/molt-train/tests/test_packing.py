@@ -1,0 +1,134 @@
+"""Packing: the token budget, the split across ranks, the tensors of one microbatch, and the
+correctness that matters most: a packed forward gives each sequence the log-probs it gets alone."""
+
+import pytest
+import torch
+
+from molt_train.packing import (
+    Sample,
+    empty_batch,
+    pack,
+    pack_by_budget,
+    plan_microbatches,
+    shift_right,
+    unplan,
+)
+
+
+def sample(n: int, temperature: float = 1.0, trained_from: int = 1, **fields) -> Sample:
+    return Sample(
+        token_ids=[(7 * i + n) % 300 for i in range(n)],
+        loss_mask=[int(i >= trained_from) for i in range(n)],
+        temperature=temperature,
+        **fields,
+    )
+
+
+def test_sample_validation():
+    with pytest.raises(ValueError, match="loss_mask has"):
+        Sample(token_ids=[1, 2], loss_mask=[0])
+    with pytest.raises(ValueError, match="advantages has"):
+        Sample(token_ids=[1, 2], loss_mask=[0, 1], advantages=[1.0])
+    with pytest.raises(ValueError, match="no context"):
+        Sample(token_ids=[1, 2], loss_mask=[1, 1])
+    with pytest.raises(ValueError, match="temperature"):
+        Sample(token_ids=[1, 2], loss_mask=[0, 1], temperature=0.0)
+    assert sample(5, trained_from=2).num_trained == 3
+
+
+def test_first_fit_decreasing_respects_the_budget():
+    lengths = [5, 3, 8, 2, 7, 1, 4]
+    bins = pack_by_budget(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert len(bins) == 3  # 30 tokens in bins of 10: FFD finds the optimum here
+    # A sequence over the budget cannot be split: it gets a bin of its own.
+    assert pack_by_budget([12, 3], 10) == [[0], [1]]
+
+
+def test_plan_gives_every_rank_the_same_number_of_microbatches():
+    samples = [sample(n) for n in (9, 3, 8, 2, 7)] + [sample(4, temperature=0.7)]
+    plan = plan_microbatches(samples, max_tokens=10, dp_size=2)
+    assert len(plan) == 2 and len(plan[0]) == len(plan[1])
+    placed = sorted(i for rank in plan for mb in rank for i in mb)
+    assert placed == list(range(len(samples)))
+    for rank in plan:
+        for mb in rank:
+            assert sum(len(samples[i].token_ids) for i in mb) <= 10
+            assert len({samples[i].temperature for i in mb}) <= 1  # one temperature per row
+    # Four microbatches of the four temperatures/bins: no padding needed, loads balanced.
+    loads = [sum(len(samples[i].token_ids) for mb in rank for i in mb) for rank in plan]
+    assert abs(loads[0] - loads[1]) <= 9
+
+
+def test_plan_pads_ranks_with_empty_microbatches():
+    plan = plan_microbatches([sample(5), sample(6), sample(7)], max_tokens=8, dp_size=2)
+    assert [len(rank) for rank in plan] == [2, 2]
+    assert sum(mb == [] for rank in plan for mb in rank) == 1
+    plan = plan_microbatches([sample(5)], max_tokens=8, dp_size=4)
+    assert sum(mb == [] for rank in plan for mb in rank) == 3
+
+
+def test_unplan_restores_the_original_order():
+    samples = [sample(n) for n in (4, 9, 2, 6, 3)]
+    plan = plan_microbatches(samples, max_tokens=10, dp_size=2)
+    results = [[[len(samples[i].token_ids) for i in mb] for mb in rank] for rank in plan]
+    assert unplan(plan, results, len(samples)) == [4, 9, 2, 6, 3]
+
+
+def test_pack_builds_one_row_with_restarting_positions():
+    a = sample(3, advantages=[0.0, 1.0, 2.0])
+    b = sample(2, advantages=[0.0, 5.0])
+    batch = pack([a, b])
+    assert batch.input_ids.tolist() == [a.token_ids + b.token_ids]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert batch.row_index.tolist() == [[0, 1, 2], [3, 4, 0]]
+    assert batch.valid.tolist() == [[True, True, True], [True, True, False]]
+    assert batch.loss_mask.tolist() == [[False, True, True], [False, True, False]]
+    assert batch.fields["advantages"].tolist() == [[0.0, 1.0, 2.0], [0.0, 5.0, 0.0]]
+    assert batch.fields["old_logprobs"] is None
+    rows = batch.to_rows(torch.arange(5.0))
+    assert rows.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]]
+    assert batch.to_lists(rows) == [[0.0, 1.0, 2.0], [0.0, 4.0]]  # 0.0 off the loss mask
+    assert shift_right(torch.tensor([1.0, 2.0])).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_pack_rejects_mixed_fields_and_temperatures():
+    with pytest.raises(ValueError, match="advantages is set on some"):
+        pack([sample(3, advantages=[0.0] * 3), sample(2)])
+    with pytest.raises(ValueError, match="one temperature"):
+        pack([sample(3), sample(2, temperature=0.5)])
+
+
+def test_empty_batch_trains_nothing():
+    batch = empty_batch()
+    assert batch.input_ids.shape == (1, 2) and not batch.loss_mask.any()
+
+
+@pytest.mark.parametrize("from_hidden", [True, False])
+def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden):
+    """Block-diagonal attention from restarting position ids (transformers' packed-sequence
+    detection, sdpa on CPU): every sequence of the row gets exactly its solo log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_train.worker import packed_token_stats
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (7, 1, 12, 2, 9):
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
+        samples.append(Sample(token_ids=ids, loss_mask=[0] + [1] * (n - 1), temperature=0.8))
+    with torch.no_grad():
+        rows, entropy = packed_token_stats(model, pack(samples), 4, True, from_hidden=from_hidden)
+        packed = pack(samples).to_lists(rows)
+        for sample_, got, got_entropy in zip(samples, packed, entropy, strict=True):
+            ids = torch.tensor([sample_.token_ids])
+            logp = torch.log_softmax(model(ids).logits[0].float() / 0.8, dim=-1)
+            expected = [0.0] + logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
+            expected_entropy = -(logp.exp() * logp).sum(-1)[:-1]
+            n = len(sample_.token_ids)
+            torch.testing.assert_close(got_entropy[1:n], expected_entropy, atol=1e-5, rtol=0)
