@@ -106,7 +106,9 @@ def eval_tasks(rows: list[dict[str, Any]], cfg: EvalConfig) -> list[PromptTask]:
     """One group of `n_samples` per eval row. Negative prompt indices and `eval-<i>` group ids
     never collide with training prompts, which count up from 0."""
     return [
-        PromptTask(prompt_index=-1 - i, row=row, group_id=f"eval-{i}", n=cfg.n_samples)
+        PromptTask(
+            prompt_index=-1 - i, row=row, group_id=f"eval-{i}", n=cfg.n_samples, for_eval=True
+        )
         for i, row in enumerate(rows[: cfg.max_prompts])
     ]
 

@@ -54,6 +54,7 @@ class PromptTask:
     group_id: str  # f"p{prompt_index}", plus f"-r{attempt}" when requeued
     n: int  # samples per prompt
     attempt: int = 0  # how often this prompt was requeued; keeps rollout ids unique
+    for_eval: bool = False  # run with the eval sampling parameters (eval.py), not the training ones
 
 
 @dataclass

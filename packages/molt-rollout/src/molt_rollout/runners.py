@@ -34,20 +34,26 @@ class AgentWorker:
     """The body of one runner actor (plain class, so it is testable without Ray)."""
 
     def __init__(self, agent: str, model: str, router_url: str, runner: RunnerConfig,
-                 request_timeout_s: float, max_retries: int) -> None:  # fmt: skip
+                 request_timeout_s: float, max_retries: int,
+                 eval_runner: RunnerConfig | None = None) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         runner_class = load_agent(agent)
         tokenizer = AutoTokenizer.from_pretrained(model)
         client = TokenClient(router_url, model, request_timeout_s, max_retries)
         self.runner = runner_class(client, tokenizer, runner)
+        # Eval tasks sample with their own parameters: a second runner of the same agent.
+        self.eval_runner = self.runner
+        if eval_runner is not None:
+            eval_client = TokenClient(router_url, model, request_timeout_s, max_retries)
+            self.eval_runner = runner_class(eval_client, tokenizer, eval_runner)
 
     async def run_group(self, task: PromptTask) -> GroupResult:
         """All n rollouts of one prompt at once; failures come back as `Dropped`, not raised."""
+        runner = self.eval_runner if task.for_eval else self.runner
         results = await asyncio.gather(
-            *(self.runner.run(task.row, f"{task.group_id}-{i}", task.group_id)
-              for i in range(task.n))
-        )  # fmt: skip
+            *(runner.run(task.row, f"{task.group_id}-{i}", task.group_id) for i in range(task.n))
+        )
         return GroupResult(
             task=task,
             rollouts=[r for r in results if not isinstance(r, Dropped)],
@@ -59,20 +65,25 @@ class AgentWorker:
 
     def close(self) -> None:
         self.runner.close()
+        if self.eval_runner is not self.runner:
+            self.eval_runner.close()
 
 
 class RunnerGroup:
     """The runner actors of a run; `launch` hands groups out round-robin."""
 
     def __init__(self, cfg: RunnersConfig, agent: str, model: str, router_url: str,
-                 runner: RunnerConfig, request_timeout_s: float, max_retries: int) -> None:  # fmt: skip
+                 runner: RunnerConfig, request_timeout_s: float, max_retries: int,
+                 eval_runner: RunnerConfig | None = None) -> None:  # fmt: skip
         if cfg.num_runners < 1 or cfg.cpus_per_runner < 0:
             raise ValueError("--rollout.num_runners must be >= 1, --rollout.cpus_per_runner >= 0")
         actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
             AgentWorker
         )
         self.actors = [
-            actor.remote(agent, model, router_url, runner, request_timeout_s, max_retries)
+            actor.remote(
+                agent, model, router_url, runner, request_timeout_s, max_retries, eval_runner
+            )
             for _ in range(cfg.num_runners)
         ]
         self._next = itertools.cycle(self.actors)
