@@ -150,6 +150,7 @@ class ActorGroup:
 
             model_path = str(build_tiny_model())
         self.model_path = model_path
+        self._refit_ready = False
 
         options = [{"num_cpus": 0}] * n  # CPU: workers must not hold the cores engines need
         if on_gpu:
@@ -265,8 +266,11 @@ class ActorGroup:
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
         self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg))
+        self._refit_ready = True
 
     def refit(self, version: int) -> dict[str, float]:
+        if not self._refit_ready:
+            raise RuntimeError("refit before init_refit: no weight-transfer group yet")
         return self._all(lambda r, w: w.refit.remote(version))[0]
 
     def set_engine_version(self, version: int) -> None:

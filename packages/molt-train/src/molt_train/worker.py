@@ -20,8 +20,15 @@ from torch import Tensor
 
 from molt_algos import POLICY_LOSSES, LossConfig, aggregate, kl_estimate, value_loss
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
-from molt_algos.masked import masked_sum
-from molt_train.actor import DTYPES, ActorConfig, FSDPConfig, lr_at, router_params
+from molt_algos.masked import masked_mean
+from molt_train.actor import (
+    DTYPES,
+    ROUTER_MARKER,
+    ActorConfig,
+    FSDPConfig,
+    lr_at,
+    router_params,
+)
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack, shift_right
 
 
@@ -168,10 +175,6 @@ class PolicyWorker:
         self.model = self._build_model(model_path)
         self._seed(self.cfg.seed + self.rank)
 
-        if self.cfg.freeze_moe_router:
-            for name, param in self.model.named_parameters():
-                if router_params([name]):
-                    param.requires_grad_(False)
         if self.role == "reference":
             self.model.requires_grad_(False)
             return
@@ -203,8 +206,12 @@ class PolicyWorker:
                 NeMoAutoModelForCausalLM,
                 NeMoAutoModelForTokenClassification,
             )
+            from nemo_automodel.components.utils.model_utils import FreezeConfig, ModuleSelector
 
             factory = NeMoAutoModelForTokenClassification if critic else NeMoAutoModelForCausalLM
+            if self.cfg.freeze_moe_router:  # applied before sharding, like on CPU below
+                router = ModuleSelector(glob="*" + ROUTER_MARKER.rstrip("."))
+                head["freeze_config"] = FreezeConfig(freeze_modules=[router])
             # No Liger kernels: the trainer computes log-probs itself from the hidden states.
             model = factory.from_pretrained(
                 path,
@@ -223,6 +230,10 @@ class PolicyWorker:
             model = factory.from_pretrained(
                 path, dtype=torch.float32, attn_implementation="sdpa", **head
             )
+            if self.cfg.freeze_moe_router:  # before sharding: FSDP reads requires_grad then
+                for name, param in model.named_parameters():
+                    if router_params([name]):
+                        param.requires_grad_(False)
             model = parallelize_model(model, self.setup_.mesh_context)
         # The token head's dropout (0.1 by default): old and new values of the same weights
         # must agree for the clipped value loss.
@@ -296,55 +307,25 @@ class PolicyWorker:
             return aggregate(per_token, mask, aggregation, num_tokens, num_sequences, self.dp_size)
 
         self.model.train()
-        totals: dict[str, float] = {}  # summed over microbatches and ranks
-        weighted: dict[str, float] = {}  # token-weighted: summed value * tokens, / num_tokens
-
-        def record(stats: dict[str, float], per_tokens: dict[str, float], tokens: int) -> None:
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value
-            for key, value in per_tokens.items():
-                weighted[key] = weighted.get(key, 0.0) + value * tokens
-
+        totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
+        weighted: dict[str, float] = {}  # token-weighted: sum of value * tokens, / num_tokens
         prepare_for_grad_accumulation([self.model])
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
                 prepare_for_final_backward([self.model])
             batch = pack(samples, self.device) if samples else empty_batch(self.device)
-            mask, tokens = batch.loss_mask, int(batch.loss_mask.sum())
             if self.role == "critic":
-                values, _ = self._token_stats(batch, with_entropy=False)
-                old = batch.fields["old_values"]
-                returns = _or_zeros(batch.fields["returns"], values)
-                result = value_loss(
-                    values, values.detach() if old is None else old, returns, mask, value_clip
+                loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
+            else:
+                loss, stats, per_token = self._policy_loss(
+                    batch, reduce, loss_name, loss_cfg, kl_loss_coef, kl_estimator, entropy_coef
                 )
-                loss = reduce(result.per_token, mask)
-                record({"value_loss": loss.item() / self.dp_size}, result.metrics, tokens)
-                loss.backward()
-                continue
-            logprobs, entropy = self._token_stats(batch, with_entropy=True)
-            old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
-            result = POLICY_LOSSES[loss_name](
-                logprobs,
-                logprobs.detach() if old is None else old,
-                _or_zeros(batch.fields["advantages"], logprobs),
-                mask,
-                loss_cfg,
-            )
-            per_token = result.per_token if weights is None else result.per_token * weights
-            policy_loss = reduce(per_token, mask)
-            loss = policy_loss - entropy_coef * reduce(entropy, mask)
-            stats = {"policy_loss": policy_loss.item() / self.dp_size}
-            per_tokens = dict(result.metrics)
-            per_tokens["entropy"] = (masked_sum(entropy.detach(), mask) / max(tokens, 1)).item()
-            if kl_loss_coef > 0:
-                ref = batch.fields["ref_logprobs"]
-                ref = logprobs.detach() if ref is None else ref
-                kl = kl_estimate(logprobs, ref, mask, kl_estimator)
-                loss = loss + kl_loss_coef * reduce(kl, mask)
-                per_tokens["ref_kl"] = (masked_sum(kl.detach(), mask) / max(tokens, 1)).item()
-            record(stats, per_tokens, tokens)
             loss.backward()
+            tokens = int(batch.loss_mask.sum())
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+            for key, value in per_token.items():
+                weighted[key] = weighted.get(key, 0.0) + value * tokens
 
         mesh, moe_mesh = self.setup_.mesh_context.device_mesh, self.setup_.mesh_context.moe_mesh
         synchronize_tp_replica_gradients([self.model], mesh)
@@ -376,6 +357,53 @@ class PolicyWorker:
             }
         )
         return metrics
+
+    def _policy_loss(
+        self,
+        batch: PackedBatch,
+        reduce,
+        loss_name: str,
+        loss_cfg: LossConfig,
+        kl_loss_coef: float,
+        kl_estimator: str,
+        entropy_coef: float,
+    ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+        """(loss to backpropagate, summed stats, per-token-mean stats) of one microbatch: the
+        policy loss weighted by the IS weights, minus the entropy bonus, plus the KL penalty."""
+        mask = batch.loss_mask
+        logprobs, entropy = self._token_stats(batch, with_entropy=True)
+        old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
+        result = POLICY_LOSSES[loss_name](
+            logprobs,
+            logprobs.detach() if old is None else old,  # on-policy: ratio 1
+            _or_zeros(batch.fields["advantages"], logprobs),
+            mask,
+            loss_cfg,
+        )
+        per_token = result.per_token if weights is None else result.per_token * weights
+        policy_loss = reduce(per_token, mask)
+        loss = policy_loss - entropy_coef * reduce(entropy, mask)
+        stats = dict(result.metrics, entropy=masked_mean(entropy.detach(), mask).item())
+        if kl_loss_coef > 0:
+            ref = batch.fields["ref_logprobs"]
+            kl = kl_estimate(
+                logprobs, logprobs.detach() if ref is None else ref, mask, kl_estimator
+            )
+            loss = loss + kl_loss_coef * reduce(kl, mask)
+            stats["ref_kl"] = masked_mean(kl.detach(), mask).item()
+        return loss, {"policy_loss": policy_loss.item() / self.dp_size}, stats
+
+    def _value_loss(
+        self, batch: PackedBatch, reduce, value_clip: float | None
+    ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+        """The critic's clipped value loss of one microbatch, with the same three outputs."""
+        values, _ = self._token_stats(batch, with_entropy=False)
+        old = batch.fields["old_values"]
+        returns = _or_zeros(batch.fields["returns"], values)
+        old = values.detach() if old is None else old
+        result = value_loss(values, old, returns, batch.loss_mask, value_clip)
+        loss = reduce(result.per_token, batch.loss_mask)
+        return loss, {"value_loss": loss.item() / self.dp_size}, result.metrics
 
     def _all_reduce_metrics(
         self, totals: dict[str, float], weighted: dict[str, float], num_tokens: int
