@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from molt_algos import POLICY_LOSSES, LossConfig, aggregate, kl_estimate, value_loss
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
@@ -58,8 +59,12 @@ def packed_token_stats(
             hidden, model.lm_head.weight, targets, batch.temperature, chunk_size, with_entropy
         )
     else:
-        # Under TP the LM head is vocabulary-sharded: let the model gather the logits.
-        logits = model(**inputs).logits[0, :-1]
+        # Under TP the LM head is vocabulary-sharded and its logits come out as a DTensor:
+        # gather them (the gradient goes back to each rank's own vocabulary slice).
+        logits = model(**inputs).logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        logits = logits[0, :-1]
         logprobs, entropy = logprobs_from_logits(
             logits, targets, batch.temperature, chunk_size, with_entropy
         )
@@ -435,8 +440,6 @@ class PolicyWorker:
         """(HF name, full tensor) for every state-dict entry, unsharded. Every rank must iterate
         it in step: each gather is a collective. Native AutoModel classes (MoE) convert their
         layout back to HF names and shapes through their state-dict adapter."""
-        from torch.distributed.tensor import DTensor
-
         adapter = getattr(self.model, "state_dict_adapter", None)
         for name, tensor in self.model.state_dict().items():
             if isinstance(tensor, DTensor):
