@@ -255,3 +255,21 @@ def test_critic_learns_returns(ray_cluster, tiny_model, hf_model):
         assert losses[-1] < 0.2 * losses[0]
     finally:
         critic.shutdown()
+
+
+def test_sft_trains_the_negative_log_likelihood(policy, hf_model):
+    samples = make_samples(hf_model.config.vocab_size)
+    for sample in samples:
+        sample.advantages, sample.temperature = None, 1.0
+    before = policy.forward_logprobs(samples)
+    trained = [
+        v
+        for s, row in zip(samples, before, strict=True)
+        for v, m in zip(row, s.loss_mask, strict=True)
+        if m
+    ]
+    first = policy.train_step(samples, "sft", None)
+    assert first["policy_loss"] == pytest.approx(-sum(trained) / len(trained), abs=1e-5)
+    assert policy.train_step(samples, "sft", None)["policy_loss"] < first["policy_loss"]
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy.train_step(samples, "dpo", LossConfig())

@@ -20,6 +20,7 @@ ROLES = ("policy", "reference", "critic")
 SCHEDULES = ("constant", "linear", "cosine")
 OFFLOAD_MODES = ("none", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SFT_LOSS = "sft"  # train_step's loss name for supervised fine-tuning (NLL of trained tokens)
 ROUTER_MARKER = "mlp.gate."  # Qwen3-MoE router weights: model.layers.N.mlp.gate.weight
 
 
@@ -151,6 +152,7 @@ class ActorGroup:
             model_path = str(build_tiny_model())
         self.model_path = model_path
         self._refit_ready = False
+        self.placement = None
 
         options = [{"num_cpus": 0}] * n  # CPU: workers must not hold the cores engines need
         if on_gpu:
@@ -229,18 +231,22 @@ class ActorGroup:
         entropy_coef: float = 0.0,
         value_clip: float | None = 0.2,
     ) -> dict[str, float]:
-        """ONE optimizer step over all `samples`; metrics averaged over ranks (rank 0's copy)."""
+        """ONE optimizer step over all `samples`; metrics averaged over ranks (rank 0's copy).
+        `loss_name` "sft" trains the negative log-likelihood of the trained tokens instead of a
+        policy loss (no advantages needed; `loss_cfg` unused)."""
         if self.role == "reference":
             raise ValueError("the reference group does not train")
-        need = ("returns",) if self.role == "critic" else ("advantages",)
-        need += ("ref_logprobs",) if kl_loss_coef > 0 and self.role == "policy" else ()
+        if self.role == "policy" and loss_name not in (*POLICY_LOSSES, SFT_LOSS):
+            choices = sorted([*POLICY_LOSSES, SFT_LOSS])
+            raise ValueError(f"unknown policy loss {loss_name!r}; choose one of {choices}")
+        if self.role == "critic":
+            need = ["returns"]
+        else:
+            need = [] if loss_name == SFT_LOSS else ["advantages"]
+            need += ["ref_logprobs"] if kl_loss_coef > 0 else []
         for name in need:
             if any(getattr(s, name) is None for s in samples):
                 raise ValueError(f"train_step ({self.role}) needs Sample.{name} on every sample")
-        if self.role == "policy" and loss_name not in POLICY_LOSSES:
-            raise ValueError(
-                f"unknown policy loss {loss_name!r}; choose one of {sorted(POLICY_LOSSES)}"
-            )
         plan = self._plan(samples)
         per_rank = self._per_rank(plan, samples)
         num_tokens = sum(s.num_trained for s in samples)
@@ -268,10 +274,11 @@ class ActorGroup:
         self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg))
         self._refit_ready = True
 
-    def refit(self, version: int) -> dict[str, float]:
+    def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
+        """New weights into every engine as `version`; rank 0's timings (`timing/refit_*`)."""
         if not self._refit_ready:
             raise RuntimeError("refit before init_refit: no weight-transfer group yet")
-        return self._all(lambda r, w: w.refit.remote(version))[0]
+        return self._all(lambda r, w: w.refit.remote(version, pause_mode))[0]
 
     def set_engine_version(self, version: int) -> None:
         self._all(lambda r, w: w.engine_call.remote("set_version", version))
@@ -299,5 +306,5 @@ class ActorGroup:
         finally:
             for worker in self.workers:
                 ray.kill(worker)
-            if getattr(self, "placement", None) is not None:
+            if self.placement is not None:
                 ray.util.remove_placement_group(self.placement)

@@ -25,6 +25,7 @@ from molt_algos.masked import masked_mean
 from molt_train.actor import (
     DTYPES,
     ROUTER_MARKER,
+    SFT_LOSS,
     ActorConfig,
     FSDPConfig,
     lr_at,
@@ -378,17 +379,22 @@ class PolicyWorker:
         mask = batch.loss_mask
         logprobs, entropy = self._token_stats(batch, with_entropy=True)
         old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
-        result = POLICY_LOSSES[loss_name](
-            logprobs,
-            logprobs.detach() if old is None else old,  # on-policy: ratio 1
-            _or_zeros(batch.fields["advantages"], logprobs),
-            mask,
-            loss_cfg,
-        )
-        per_token = result.per_token if weights is None else result.per_token * weights
+        if loss_name == SFT_LOSS:  # supervised: the negative log-likelihood of trained tokens
+            per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
+        else:
+            result = POLICY_LOSSES[loss_name](
+                logprobs,
+                logprobs.detach() if old is None else old,  # on-policy: ratio 1
+                _or_zeros(batch.fields["advantages"], logprobs),
+                mask,
+                loss_cfg,
+            )
+            per_token, metrics = result.per_token, result.metrics
+        if weights is not None:
+            per_token = per_token * weights
         policy_loss = reduce(per_token, mask)
         loss = policy_loss - entropy_coef * reduce(entropy, mask)
-        stats = dict(result.metrics, entropy=masked_mean(entropy.detach(), mask).item())
+        stats = dict(metrics, entropy=masked_mean(entropy.detach(), mask).item())
         if kl_loss_coef > 0:
             ref = batch.fields["ref_logprobs"]
             kl = kl_estimate(
@@ -475,12 +481,13 @@ class PolicyWorker:
         self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu)
         self.refitter.init_transfer()
 
-    def refit(self, version: int) -> dict[str, float]:
-        """Every rank gathers; rank 0 streams the tensors to the engines as they come."""
+    def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
+        """Every rank gathers; rank 0 streams the tensors to the engines as they come
+        (`pause_mode`: see molt_rollout.refit.Refitter.refit)."""
         dtype = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
         tensors = self.named_full_tensors(dtype)
         if self.rank == 0:
-            return self.refitter.refit(tensors, version)
+            return self.refitter.refit(tensors, version, pause_mode)
         for _ in tensors:
             pass
         return {}
