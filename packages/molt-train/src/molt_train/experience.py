@@ -1,0 +1,106 @@
+"""Experience: from a batch of finished prompt groups to per-token training samples.
+
+One sample per rollout segment, exactly the token ids the engine saw and produced. The trainer
+recomputes the proximal ("old") log-probs in batched, packed forwards; the train/rollout
+mismatch is corrected per token against the log-probs the tokens were sampled with; advantages
+come from molt-algos. The actor then only consumes per-token advantages, weights and masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from molt_algos import (
+    AdvantageBatch,
+    compute_advantages,
+    importance_correction,
+    kl_estimate,
+)
+from molt_capture.types import Rollout
+from molt_rollout.pool import Batch
+from molt_train.actor import ActorGroup
+from molt_train.config import AlgoConfig
+from molt_train.packing import Sample
+
+
+@dataclass
+class Experience:
+    samples: list[Sample]  # one per rollout segment, group by group
+    sample_groups: list[str]  # the group id of each sample
+    rollouts: list[Rollout]
+    metrics: dict[str, float]
+
+
+def _padded(rows: list[list[float]], length: int, dtype=torch.float32) -> torch.Tensor:
+    out = torch.zeros(len(rows), length, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def make_experience(
+    batch: Batch,
+    policy: ActorGroup,
+    algo: AlgoConfig,
+    kl_coef: float,
+    reference: ActorGroup | None = None,
+    critic: ActorGroup | None = None,
+) -> Experience:
+    """Samples with advantages, old log-probs and IS weights for one training batch.
+    `kl_coef`: the current coefficient of KL in the reward (the KL controller's)."""
+    rollouts = [r for group in batch.groups for r in group.rollouts]
+    segments = [(r, s) for r in rollouts for s in r.segments]
+    samples = [
+        Sample(token_ids=s.token_ids, loss_mask=s.trainable, temperature=s.temperature)
+        for _, s in segments
+    ]
+    lengths = [len(s.token_ids) for s in samples]
+    width = max(lengths)
+    mask = _padded([s.trainable for _, s in segments], width).bool()
+    rollout_logprobs = _padded([s.logprobs for _, s in segments], width)
+
+    old = _padded(policy.forward_logprobs(samples), width)
+    ref = _padded(reference.forward_logprobs(samples), width) if reference else None
+    values = _padded(critic.forward_values(samples), width) if critic else None
+
+    correction = importance_correction(old, rollout_logprobs, mask, algo.advantage.is_config())
+    metrics = dict(correction.metrics)
+    kl = None
+    if ref is not None:
+        kl = kl_estimate(old, ref, mask, algo.kl.estimator)
+        metrics["ref_kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
+    rollout_index = {r.rollout_id: i for i, r in enumerate(rollouts)}
+    adv_cfg = algo.advantage.advantage_config()
+    adv_cfg.kl_coef = kl_coef
+    advantages = compute_advantages(
+        algo.advantage.estimator,
+        AdvantageBatch(
+            rewards=torch.tensor([r.reward for r, _ in segments], dtype=torch.float32),
+            action_mask=mask,  # advantages see every generated token; IS filtering is the loss's
+            group_ids=torch.tensor([group_index[r.group_id] for r, _ in segments]),
+            rollout_ids=torch.tensor([rollout_index[r.rollout_id] for r, _ in segments]),
+            kl=kl if kl_coef > 0 else None,
+            values=values,
+            logprobs=old,
+            teacher_logprobs=ref,
+        ),
+        adv_cfg,
+    )
+    metrics.update(advantages.metrics)
+
+    for i, sample in enumerate(samples):
+        n = lengths[i]
+        sample.loss_mask = correction.mask[i, :n].int().tolist()
+        sample.advantages = advantages.advantages[i, :n].tolist()
+        sample.old_logprobs = old[i, :n].tolist()
+        sample.weights = correction.weights[i, :n].tolist()
+        if ref is not None:
+            sample.ref_logprobs = ref[i, :n].tolist()
+        if values is not None:
+            sample.old_values = values[i, :n].tolist()
+            sample.returns = advantages.returns[i, :n].tolist()
+    return Experience(samples, [r.group_id for r, _ in segments], rollouts, metrics)

@@ -1,0 +1,248 @@
+"""The RL loop. `train(cfg)` reads top to bottom:
+
+    build engines, router, runners and the streaming pool
+    build the policy actor (and the reference and critic when asked for)
+    every step: take a batch from the pool -> make experience -> train -> refit -> log
+                evaluate and checkpoint on their cadence
+
+Engines keep generating the next groups while the actor trains (unless --train.force_on_policy);
+the weight version is the optimizer step count, and every trained token carries the version
+that sampled it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from molt_algos import kl_controller
+from molt_rollout import ChatRunner, load_agent
+from molt_rollout.data import PromptSource, load_rows
+from molt_rollout.eval import eval_metrics, run_eval
+from molt_rollout.pool import Batch, GroupResult, RolloutPool
+from molt_rollout.runners import RunnerGroup
+from molt_rollout.service import RolloutService
+from molt_rollout.tiny_model import build_tiny_model
+from molt_train.actor import ActorConfig, ActorGroup
+from molt_train.checkpoint import CheckpointManager
+from molt_train.config import (
+    RunConfig,
+    pool_config,
+    runner_config,
+    runners_config,
+    validate_run_config,
+)
+from molt_train.experience import make_experience
+from molt_train.logger import MetricsLogger, format_final_message
+from molt_train.metrics import rollout_metrics, sample_rows
+
+
+def train(cfg: RunConfig) -> dict[str, float]:
+    """Run RL as configured; returns the last step's metrics."""
+    start_ray(cfg)
+    on_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    validate_run_config(cfg, int(ray.cluster_resources().get("GPU", 0)) if on_gpu else None)
+    check_agent(cfg)  # a broken agent module fails here, in the driver, by name
+    run_dir = prepare_run_dir(cfg)
+    model = cfg.actor.model_path or str(build_tiny_model())
+    cfg.actor.model_path = model
+
+    # ---- generation: engines, router, agent runners, the streaming pool --------------------
+    rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
+                                   str(run_dir / "logs"), on_gpu, with_refitter=False)  # fmt: skip
+    runners = RunnerGroup(runners_config(cfg), cfg.train.agent_path, model, rollout.router.url,
+                          runner_config(cfg), cfg.vllm.request_timeout_s, cfg.vllm.max_retries)  # fmt: skip
+    source = PromptSource.from_config(cfg.data)
+    group_filter = keep_informative_group if cfg.algo.dynamic_filtering_enable else None
+    pool = RolloutPool(source, runners.launch, pool_config(cfg), group_filter)
+
+    # ---- training: the policy, its refit link to the engines, reference and critic ---------
+    policy = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
+    policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit)
+    actors = {"policy": policy}
+    reference = critic = None
+    if cfg.ref.enable:
+        ref_cfg = dataclasses.replace(cfg.actor, model_path=cfg.ref.model_path or model,
+                                      num_workers=cfg.ref.num_workers)  # fmt: skip
+        reference = ActorGroup(ref_cfg, cfg.fsdp, "reference", on_gpu)
+    if cfg.algo.advantage.estimator == "gae":
+        critic = ActorGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu)
+        actors["critic"] = critic
+    kl_ctl = kl_controller(cfg.algo.advantage.kl_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+
+    # ---- resume ----------------------------------------------------------------------------
+    checkpoints = CheckpointManager(str(run_dir / "checkpoints"), cfg.ckpt.keep_last)
+    first_step = 0
+    latest = checkpoints.latest() if cfg.ckpt.resume else None
+    if latest is not None:
+        state = checkpoints.load(latest, actors)
+        first_step = state["step"]
+        pool.load_state_dict(state["pool"])
+        kl_ctl.load_state_dict(state["kl_controller"])
+        print(f"resumed from {latest} at step {first_step}")
+    version = first_step  # the weight version is the number of optimizer steps taken
+    if latest is not None:
+        policy.refit(version)  # the engines continue from exactly the restored weights
+    else:
+        policy.set_engine_version(version)
+
+    logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
+    eval_rows = [row for f in cfg.data.eval_files for row in load_rows(f)]
+    tokenizer = _tokenizer(model)
+    pause_mode = "keep" if cfg.train.partial_rollout_enable else "wait"
+    metrics: dict[str, float] = {}
+    pool.start()
+    try:
+        for step in range(first_step, cfg.train.num_steps):
+            t_step = time.perf_counter()
+            batch = pool.next_batch(version)
+            t_generated = time.perf_counter()
+
+            experience = make_experience(batch, policy, cfg.algo, kl_ctl.coef, reference, critic)
+            t_experience = time.perf_counter()
+            train_metrics = train_on(
+                experience.samples, experience.sample_groups, policy, critic, cfg
+            )
+            t_trained = time.perf_counter()
+
+            version += 1
+            refit_times = policy.refit(version, pause_mode)
+            t_refit = time.perf_counter()
+            kl_ctl.update(experience.metrics.get("ref_kl", 0.0), len(experience.rollouts))
+
+            metrics = {
+                **rollout_metrics(experience.rollouts, batch.dropped),
+                **batch.metrics,
+                **experience.metrics,
+                **train_metrics,
+                **refit_times,
+                "kl_coef": kl_ctl.coef,
+                "timing/generation": t_generated - t_step,
+                "timing/experience": t_experience - t_generated,
+                "timing/policy_train": t_trained - t_experience,
+                "timing/broadcast": t_refit - t_trained,
+                "timing/step_total": t_refit - t_step,
+                "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
+                / max(t_trained - t_experience, 1e-9),
+                "train/weight_version": float(version),
+            }
+            if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+                metrics.update(evaluate(eval_rows, runners, cfg))
+            logger.log(step + 1, metrics)
+            record_trained_prompts(run_dir, step + 1, batch)
+            logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
+                                                     cfg.logger.num_sample_rollouts))  # fmt: skip
+            last = step + 1 == cfg.train.num_steps
+            if last or (cfg.ckpt.every_steps and (step + 1) % cfg.ckpt.every_steps == 0):
+                checkpoints.save(step + 1, actors, {"step": step + 1, "pool": pool.state_dict(),
+                                                    "kl_controller": kl_ctl.state_dict()})  # fmt: skip
+        if cfg.ckpt.export_hf:
+            policy.export_hf(str(run_dir / "hf_policy"))
+    finally:
+        pool.close()
+        paths = logger.close()
+        runners.shutdown()
+        for group in (policy, reference, critic):
+            if group is not None:
+                group.shutdown()
+        rollout.shutdown()
+    print(format_final_message(paths, str(run_dir / "checkpoints")))
+    return metrics
+
+
+def train_on(samples: list, groups: list[str], policy: ActorGroup, critic: ActorGroup | None,
+             cfg: RunConfig) -> dict:  # fmt: skip
+    """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
+    metrics of the last step, plus the token count of all of them."""
+    algo = cfg.algo
+    chunks = _split_by_group(samples, groups, cfg.train.mini_batches)
+    metrics: dict[str, float] = {}
+    tokens = 0.0
+    for _ in range(cfg.train.epochs_per_batch):
+        for chunk in chunks:
+            metrics = policy.train_step(chunk, algo.policy_loss, algo.loss, algo.aggregation,
+                                        kl_loss_coef=algo.kl.loss_coef,
+                                        kl_estimator=algo.kl.estimator,
+                                        entropy_coef=algo.entropy_coef)  # fmt: skip
+            tokens += metrics.get("train/tokens", 0.0)
+            if critic is not None:
+                critic_metrics = critic.train_step(chunk, "value", algo.loss, algo.aggregation,
+                                                   value_clip=cfg.critic.value_clip)  # fmt: skip
+                metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+    metrics["train/tokens"] = tokens
+    return metrics
+
+
+def evaluate(rows: list[dict], runners: RunnerGroup, cfg: RunConfig) -> dict[str, float]:
+    t0 = time.perf_counter()
+    results: list[GroupResult] = run_eval(rows, runners.launch, cfg.eval)
+    return {**eval_metrics(results), "timing/eval": time.perf_counter() - t0}
+
+
+def keep_informative_group(group: GroupResult) -> bool:
+    """Dynamic sampling: a group whose samples all scored the same has zero group-relative
+    advantage everywhere and teaches nothing; the pool backfills its slot."""
+    return len({r.reward if r.score is None else r.score for r in group.rollouts}) > 1
+
+
+def record_trained_prompts(run_dir: Path, step: int, batch: Batch) -> None:
+    """One line per step: which prompts (dataset order index) it trained, for auditing that a
+    resumed run trains every prompt exactly once (a step redone after a crash appears twice;
+    the later line is the one in the weights)."""
+    line = {"step": step, "prompts": [g.task.prompt_index for g in batch.groups]}
+    with (run_dir / "trained_prompts.jsonl").open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def critic_actor_config(cfg: RunConfig, model: str) -> ActorConfig:
+    return dataclasses.replace(cfg.actor, model_path=cfg.critic.model_path or model,
+                               num_workers=cfg.critic.num_workers, optim=cfg.critic.optim)  # fmt: skip
+
+
+def check_agent(cfg: RunConfig) -> None:
+    runner = load_agent(cfg.train.agent_path)
+    if issubclass(runner, ChatRunner) and not cfg.data.apply_chat_template:
+        raise ValueError(
+            f"--data.apply_chat_template False with the ChatAgent in {cfg.train.agent_path}: "
+            "a ChatAgent's messages are always rendered by the capture server with the chat "
+            "template; verbatim string prompts need the Env form"
+        )
+
+
+def start_ray(cfg: RunConfig) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.train.ray_address:
+        ray.init(address=cfg.train.ray_address)
+    else:
+        ray.init(object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    name = cfg.logger.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    cfg.logger.run_name = name
+    run_dir = Path(cfg.train.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return run_dir
+
+
+def _split_by_group(samples: list, groups: list[str], parts: int) -> list[list]:
+    """`parts` mini-batches of whole prompt groups (samples arrive group by group)."""
+    order = list(dict.fromkeys(groups))
+    per_part = -(-len(order) // parts)
+    part_of = {g: i // per_part for i, g in enumerate(order)}
+    chunks: list[list] = [[] for _ in range(parts)]
+    for sample, group in zip(samples, groups, strict=True):
+        chunks[part_of[group]].append(sample)
+    return [c for c in chunks if c]
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)

@@ -1,0 +1,106 @@
+"""Run configuration: defaults are valid, bad combinations fail naming their flags, the CLI
+parses dotted flags, and docs/flags.md is generated from the same dataclasses."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molt_train.cli import flags_markdown, parse
+from molt_train.config import RunConfig, pool_config, validate_run_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_defaults_are_valid_and_async():
+    cfg = RunConfig()
+    validate_run_config(cfg)
+    pool = pool_config(cfg)
+    assert pool.max_inflight_groups == 2 * pool.groups_per_batch  # one batch ahead
+    assert pool.min_rollouts_per_group == 2  # grpo needs a baseline
+
+
+def _cfg(argv: list[str]) -> RunConfig:
+    return parse(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, flags",
+    [
+        (["--rollout.n_samples_per_prompt", "1"],
+         ["--algo.advantage.estimator", "--rollout.n_samples_per_prompt"]),
+        (["--algo.advantage.is_correction_level", "off"],
+         ["--algo.advantage.is_correction_level", "--train.force_on_policy"]),
+        (["--rollout.top_p", "0.9"], ["--algo.advantage.is_correction_level", "--rollout.top_p"]),
+        (["--train.force_on_policy", "True", "--train.epochs_per_batch", "2"],
+         ["--train.force_on_policy", "--train.epochs_per_batch"]),
+        (["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
+         ["--rollout.groups_per_batch", "--train.mini_batches"]),
+        (["--algo.kl.loss_coef", "0.1"], ["--ref.enable"]),
+        (["--algo.advantage.estimator", "nope"], ["--algo.advantage.estimator"]),
+        (["--algo.policy_loss", "nope"], ["--algo.policy_loss"]),
+        (["--rollout.stale_policy", "nope"], ["--rollout.stale_policy"]),
+        (["--train.async_queue_size", "-1"], ["--train.async_queue_size"]),
+        (["--data.train_files"], ["--data.train_files"]),
+    ],
+)  # fmt: skip
+def test_bad_combinations_name_their_flags(argv, flags):
+    with pytest.raises(ValueError) as error:
+        validate_run_config(_cfg(argv))
+    for flag in flags:
+        assert flag in str(error.value), (flag, str(error.value))
+
+
+def test_force_on_policy_needs_no_is_correction():
+    cfg = _cfg(["--train.force_on_policy", "True", "--algo.advantage.is_correction_level", "off"])
+    validate_run_config(cfg)
+    assert pool_config(cfg).force_on_policy and pool_config(cfg).max_staleness == 0
+
+
+def test_more_gpus_than_the_cluster_has():
+    cfg = _cfg(["--actor.num_workers", "4", "--vllm.num_engines", "4"])
+    with pytest.raises(ValueError, match="asks for 8 GPUs.*has 2"):
+        validate_run_config(cfg, cluster_gpus=2)
+
+
+def test_dotted_flags_reach_nested_fields():
+    cfg = _cfg(["--algo.advantage.estimator", "rloo", "--actor.optim.lr", "3e-4",
+                "--fsdp.offload", "optimizer", "--data.apply_chat_template", "False",
+                "--train.max_staleness", "None"])  # fmt: skip
+    assert cfg.algo.advantage.estimator == "rloo"
+    assert cfg.actor.optim.lr == 3e-4
+    assert cfg.fsdp.offload == "optimizer"
+    assert cfg.data.apply_chat_template is False
+    assert cfg.train.max_staleness is None
+
+
+def _molt_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "molt_train.cli", *args], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def test_help_lists_every_flag_with_its_default():
+    out = _molt_train("--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for flag in ("--algo.advantage.estimator", "--algo.advantage.is_correction_level",
+                 "--algo.dynamic_filtering_enable", "--actor.optim.lr", "--fsdp.tp_size",
+                 "--vllm.num_engines", "--rollout.n_samples_per_prompt", "--train.agent_path",
+                 "--train.force_on_policy", "--data.apply_chat_template", "--eval.every_steps",
+                 "--ckpt.keep_last", "--logger.wandb_mode", "--ref.enable", "--critic.num_workers"):  # fmt: skip
+        assert flag in text, flag
+    assert "(default: grpo)" in text
+
+
+def test_bad_flags_fail_fast_without_starting_anything():
+    out = _molt_train("--rollout.n_samples_per_prompt", "1")
+    assert out.returncode == 2
+    assert "--rollout.n_samples_per_prompt" in out.stderr
+    out = _molt_train("--no.such_flag", "1")
+    assert out.returncode != 0 and "no.such_flag" in out.stderr
+
+
+def test_flags_doc_is_generated_from_the_dataclasses():
+    doc = (ROOT / "docs" / "flags.md").read_text()
+    assert doc == flags_markdown(), "regenerate: python -m molt_train.cli flags-doc"
