@@ -16,6 +16,7 @@ Prints one JSON line of results from rank 0.
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -23,12 +24,11 @@ import torch
 
 
 def write_random_model(path: str, args) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(
+    shape = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
@@ -38,8 +38,27 @@ def write_random_model(path: str, args) -> None:
         torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    if args.moe:  # Qwen3-MoE: router `mlp.gate`, experts `mlp.experts.N.*`
+        config = Qwen3MoeConfig(
+            num_experts=args.experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=args.intermediate // 4,
+            **shape,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=args.intermediate, **shape))
+    model.to(torch.bfloat16).save_pretrained(path)
     print(f"wrote {path}")
+
+
+def hf_names_and_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The state dict a transformers model of this checkpoint has (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def random_samples(vocab: int, count: int, length: int, seed: int):
@@ -75,6 +94,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--offload", default="none")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--moe", action="store_true", help="--write-model: a Qwen3-MoE")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--freeze-moe-router", action="store_true")
+    parser.add_argument("--role", default="policy", choices=["policy", "critic"])
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: checks the script only")
     args = parser.parse_args()
     if args.write_model:
@@ -97,13 +121,14 @@ def main() -> None:
         dtype=args.dtype,
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         gradient_checkpointing=args.gradient_checkpointing,
+        freeze_moe_router=args.freeze_moe_router,
         optim=OptimConfig(lr=1e-6),
     )
-    fsdp = FSDPConfig(tp_size=args.tp, offload=args.offload)
+    fsdp = FSDPConfig(tp_size=args.tp, ep_size=args.ep, offload=args.offload)
     on_gpu = not args.cpu
     gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else None
     validate_actor_config(cfg, fsdp, gpus)
-    worker = PolicyWorker(cfg, fsdp, "policy", rank, world, on_gpu=on_gpu)
+    worker = PolicyWorker(cfg, fsdp, args.role, rank, world, on_gpu=on_gpu)
 
     def sync() -> None:
         if on_gpu:
@@ -111,13 +136,16 @@ def main() -> None:
 
     results: dict[str, float | str] = {"world_size": world, "dtype": args.dtype}
     start = time.perf_counter()
-    worker.setup(args.model)
+    padded = worker.setup(args.model)
     sync()
     results["build_s"] = time.perf_counter() - start
     results["model_class"] = type(worker.model).__name__
+    results["microbatch_rows"] = "padded" if padded else "packed"
+    frozen = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
+    results["frozen_params"] = len(frozen)
     vocab = worker.model.config.vocab_size
 
-    # 1. Packing isolates sequences: packed log-probs == one sequence per microbatch.
+    # 1. Microbatch rows isolate sequences: several per microbatch == one per microbatch.
     check = random_samples(vocab, 4, 300, seed=1)
     packed = worker.forward_logprobs([check])[0]
     alone = [worker.forward_logprobs([[s]])[0][0] for s in check]
@@ -130,11 +158,12 @@ def main() -> None:
     dp = world // args.tp
     count = args.tokens_per_rank * dp // args.seq_len
     samples = random_samples(vocab, count, args.seq_len, seed=2)
-    plan = plan_microbatches(samples, args.max_tokens_per_microbatch, dp)
+    plan = plan_microbatches(samples, args.max_tokens_per_microbatch, dp, padded)
     mine = [[samples[i] for i in mb] for mb in plan[rank // args.tp]]
     for mb, values in zip(mine, worker.forward_logprobs(mine), strict=True):
         for sample, old in zip(mb, values, strict=True):
             sample.old_logprobs = old
+            sample.returns, sample.old_values = sample.advantages, old  # read by a critic
     num_tokens = sum(s.num_trained for s in samples)
     num_sequences = sum(1 for s in samples if s.num_trained)
     step_times = []
@@ -147,20 +176,22 @@ def main() -> None:
     tokens = sum(len(s.token_ids) for s in samples)
     results["step_s"] = step_times
     results["tokens_per_s_per_gpu"] = tokens / world / min(step_times)
-    results.update(
-        {
-            k: metrics[k]
-            for k in ("policy_loss", "grad_norm", "entropy", "policy_kl", "perf/peak_memory_gb")
-        }
-    )
+    keys = ("policy_loss", "value_loss", "grad_norm", "entropy", "policy_kl", "perf/peak_memory_gb")
+    results.update({k: metrics[k] for k in keys if k in metrics})
 
     # 3. The refit gather: every full tensor, bf16, on every rank.
     sync()
     start = time.perf_counter()
-    total = sum(t.numel() * t.element_size() for _, t in worker.named_full_tensors(torch.bfloat16))
+    shapes = {n: tuple(t.shape) for n, t in worker.named_full_tensors(torch.bfloat16)}
     sync()
     results["refit_gather_s"] = time.perf_counter() - start
-    results["refit_gather_gb"] = total / 1e9
+    dtype_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
+    results["refit_gather_gb"] = sum(math.prod(v) for v in shapes.values()) * dtype_bytes / 1e9
+    if args.role == "policy":  # the names and shapes vLLM will be sent: the HF checkpoint's
+        expected = hf_names_and_shapes(args.model)
+        results["refit_names_match_hf"] = shapes == expected
+        if shapes != expected:
+            results["refit_name_diff"] = sorted(set(shapes) ^ set(expected))[:8]
     if rank == 0:
         print(json.dumps(results))
     dist.barrier()

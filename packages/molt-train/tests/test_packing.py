@@ -93,6 +93,19 @@ def test_pack_builds_one_row_with_restarting_positions():
     assert shift_right(torch.tensor([1.0, 2.0])).tolist() == [0.0, 1.0, 2.0]
 
 
+def test_padded_rows_and_their_budget():
+    a, b = sample(3), sample(2)
+    batch = pack([a, b], padded=True)
+    assert batch.input_ids.tolist() == [a.token_ids, b.token_ids + [0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert batch.to_rows(torch.arange(6.0).view(2, 3)).tolist() == [[0, 1, 2], [3, 4, 0]]
+    # Padded rows cost count x longest: 5 + 5 fits a budget of 10, 5 + 4 + 1 does not.
+    assert pack_by_budget([5, 4, 1], 10, padded=True) == [[0, 1], [2]]
+    assert pack_by_budget([5, 4, 1], 10) == [[0, 1, 2]]
+    plan = plan_microbatches([sample(5), sample(4), sample(1)], 10, 1, padded=True)
+    assert sorted(len(mb) for mb in plan[0]) == [1, 2]
+
+
 def test_pack_rejects_mixed_fields_and_temperatures():
     with pytest.raises(ValueError, match="advantages is set on some"):
         pack([sample(3, advantages=[0.0] * 3), sample(2)])
@@ -105,25 +118,27 @@ def test_empty_batch_trains_nothing():
     assert batch.input_ids.shape == (1, 2) and not batch.loss_mask.any()
 
 
-@pytest.mark.parametrize("from_hidden", [True, False])
-def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden):
+@pytest.mark.parametrize("from_hidden,padded", [(True, False), (False, False), (True, True)])
+def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, padded):
     """Block-diagonal attention from restarting position ids (transformers' packed-sequence
-    detection, sdpa on CPU): every sequence of the row gets exactly its solo log-probs."""
+    detection, sdpa on CPU), or padded rows: every sequence gets exactly its solo log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from molt_train.worker import packed_token_stats
+    from molt_train.worker import packed_token_stats, packs_sequences
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"
     )
+    assert packs_sequences(model)  # a transformers class: its mask code reads position ids
     generator = torch.Generator().manual_seed(0)
     samples = []
     for n in (7, 1, 12, 2, 9):
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
         samples.append(Sample(token_ids=ids, loss_mask=[0] + [1] * (n - 1), temperature=0.8))
     with torch.no_grad():
-        rows, entropy = packed_token_stats(model, pack(samples), 4, True, from_hidden=from_hidden)
-        packed = pack(samples).to_lists(rows)
+        batch = pack(samples, padded=padded)
+        rows, entropy = packed_token_stats(model, batch, 4, True, from_hidden=from_hidden)
+        packed = batch.to_lists(rows)
         for sample_, got, got_entropy in zip(samples, packed, entropy, strict=True):
             ids = torch.tensor([sample_.token_ids])
             logp = torch.log_softmax(model(ids).logits[0].float() / 0.8, dim=-1)

@@ -179,7 +179,8 @@ class ActorGroup:
             for rank in range(n)
         ]
         address, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=600)
-        self._all(lambda r, w: w.setup.remote(model_path, address, port))
+        # Whether microbatches are padded rows instead of packed ones (PolicyWorker.setup).
+        self.padded = self._all(lambda r, w: w.setup.remote(model_path, address, port))[0]
 
     def _all(self, call) -> list:
         """Run `call(rank, worker)` on every worker; fail fast when one raises (the others would
@@ -204,7 +205,8 @@ class ActorGroup:
     def _plan(self, samples: list[Sample]) -> list[list[list[int]]]:
         if not samples:
             raise ValueError("no samples")
-        return plan_microbatches(samples, self.cfg.max_tokens_per_microbatch, self.dp_size)
+        budget = self.cfg.max_tokens_per_microbatch
+        return plan_microbatches(samples, budget, self.dp_size, self.padded)
 
     def forward_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-token log-probs of the temperature-scaled distribution, aligned with token_ids

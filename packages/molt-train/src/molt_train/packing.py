@@ -12,6 +12,11 @@ the model's output at packed position p predicts token p + 1, so per-token resul
 computed from `hidden[:-1]` against `input_ids[1:]` and shifted right by one (`shift_right`);
 the first token of every sequence then holds a cross-sequence value that is never used.
 
+Native AutoModel layers that attend causally over the whole row without transformers' mask
+code (Qwen3-MoE, for one) would let packed sequences see each other; for them the worker uses
+padded rows instead (`padded=True`): one right-padded sequence per row, whose causal attention
+never reaches the padding, with the budget counted as rows × longest row.
+
 The loss functions need one row per sequence (GSPO's sequence ratio, seq-mean aggregation), so
 per-token results are scattered from the packed row into a padded [S, L] layout by
 `PackedBatch.to_rows`; the samples' own fields (advantages, weights, ...) are built in that
@@ -64,26 +69,28 @@ class Sample:
 # ---------------------------------------------------------------- planning (indices only)
 
 
-def pack_by_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """First-fit-decreasing: bins of indices whose lengths sum to at most `max_tokens`. A
-    sequence longer than the budget cannot be split (its tokens attend to each other), so it
-    gets a bin of its own."""
+def pack_by_budget(lengths: list[int], max_tokens: int, padded: bool = False) -> list[list[int]]:
+    """First-fit-decreasing: bins of indices costing at most `max_tokens`, the sum of their
+    lengths (packed) or count × longest (padded rows). A sequence longer than the budget
+    cannot be split (its tokens attend to each other), so it gets a bin of its own."""
     bins: list[list[int]] = []
-    room: list[int] = []
+    used: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
+        for b, members in enumerate(bins):
+            # Decreasing order: a bin's first member is its longest.
+            cost = (len(members) + 1) * lengths[members[0]] if padded else used[b] + lengths[i]
+            if cost <= max_tokens:
+                members.append(i)
+                used[b] += lengths[i]
                 break
         else:
             bins.append([i])
-            room.append(max_tokens - lengths[i])
+            used.append(lengths[i])
     return bins
 
 
 def plan_microbatches(
-    samples: list[Sample], max_tokens: int, dp_size: int
+    samples: list[Sample], max_tokens: int, dp_size: int, padded: bool = False
 ) -> list[list[list[int]]]:
     """Sample indices per data-parallel rank per microbatch: plan[rank][microbatch] = [i, ...].
 
@@ -98,7 +105,8 @@ def plan_microbatches(
     microbatches: list[list[int]] = []
     for indices in by_temperature.values():
         lengths = [len(samples[i].token_ids) for i in indices]
-        microbatches += [[indices[j] for j in b] for b in pack_by_budget(lengths, max_tokens)]
+        bins = pack_by_budget(lengths, max_tokens, padded)
+        microbatches += [[indices[j] for j in b] for b in bins]
 
     def tokens(mb: list[int]) -> int:
         return sum(len(samples[i].token_ids) for i in mb)
@@ -131,9 +139,9 @@ def unplan(plan: list[list[list[int]]], results: list[list[list]], count: int) -
 
 @dataclass
 class PackedBatch:
-    input_ids: Tensor  # [1, T] the sequences, concatenated
-    position_ids: Tensor  # [1, T] restarting at 0 for each sequence
-    row_index: Tensor  # [S, L] packed position of each sequence's token t (0 where padded)
+    input_ids: Tensor  # [1, T] the sequences, concatenated; padded: [S, L]
+    position_ids: Tensor  # [1, T] restarting at 0 for each sequence; padded: [S, L]
+    row_index: Tensor  # [S, L] flat index into input_ids of each sequence's token t
     valid: Tensor  # [S, L] bool: t < the sequence's length
     loss_mask: Tensor  # [S, L] bool
     temperature: float
@@ -144,9 +152,10 @@ class PackedBatch:
     def num_sequences(self) -> int:
         return len(self.lengths)
 
-    def to_rows(self, packed: Tensor) -> Tensor:
-        """[T] per packed position -> [S, L] per sequence and token, 0 where padded."""
-        return torch.where(self.valid, packed[self.row_index], torch.zeros_like(packed[:1]))
+    def to_rows(self, per_position: Tensor) -> Tensor:
+        """Values shaped like input_ids -> [S, L] per sequence and token, 0 where padded."""
+        flat = per_position.flatten()
+        return torch.where(self.valid, flat[self.row_index], torch.zeros_like(flat[:1]))
 
     def to_lists(self, rows: Tensor, only_trained: bool = True) -> list[list[float]]:
         """[S, L] -> one list per sequence; 0.0 outside the loss mask when `only_trained`."""
@@ -156,17 +165,26 @@ class PackedBatch:
         return [row[:n] for row, n in zip(values, self.lengths, strict=True)]
 
 
-def pack(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBatch:
-    """One packed row of `samples` (all of one temperature)."""
+def pack(
+    samples: list[Sample], device: torch.device | str = "cpu", padded: bool = False
+) -> PackedBatch:
+    """One packed row of `samples` (all of one temperature), or one padded row each."""
     temperatures = {s.temperature for s in samples}
     if len(temperatures) != 1:
         raise ValueError(f"a microbatch needs one temperature, got {sorted(temperatures)}")
     lengths = [len(s.token_ids) for s in samples]
     width = max(lengths)
-    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     offsets = torch.arange(width)
     valid = offsets[None, :] < torch.tensor(lengths)[:, None]
-    row_index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+    if padded:
+        input_ids = torch.tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in samples])
+        position_ids = offsets.expand(len(samples), width)
+        row_index = torch.arange(len(samples) * width).view(len(samples), width)
+    else:
+        input_ids = torch.tensor([[t for s in samples for t in s.token_ids]])
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        row_index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
 
     def rows(name: str) -> Tensor:
         return torch.tensor(
@@ -184,8 +202,8 @@ def pack(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBat
         else:
             fields_[name] = None
     return PackedBatch(
-        input_ids=torch.tensor([[t for s in samples for t in s.token_ids]], device=device),
-        position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
         row_index=row_index.to(device),
         valid=valid.to(device),
         loss_mask=(rows("loss_mask") > 0).to(device) & valid.to(device),
@@ -195,15 +213,15 @@ def pack(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBat
     )
 
 
-def empty_batch(device: torch.device | str = "cpu") -> PackedBatch:
+def empty_batch(device: torch.device | str = "cpu", padded: bool = False) -> PackedBatch:
     """A two-token batch with nothing trained, for a rank with fewer real microbatches: it runs
     the same forward/backward collectives and contributes exactly zero loss and gradient."""
-    return pack([Sample(token_ids=[0, 0], loss_mask=[0, 0])], device)
+    return pack([Sample(token_ids=[0, 0], loss_mask=[0, 0])], device, padded)
 
 
 def shift_right(per_position: Tensor | None) -> Tensor | None:
-    """Values computed from hidden[:-1] (predicting tokens 1..T-1) -> aligned with the tokens
-    they predict, [T], 0.0 at packed position 0."""
+    """Values computed from each row's positions 0..T-2 (predicting tokens 1..T-1) -> aligned
+    with the tokens they predict, [..., T], 0.0 at each row's position 0."""
     if per_position is None:
         return None
-    return torch.cat([per_position.new_zeros(1), per_position])
+    return torch.nn.functional.pad(per_position, (1, 0))

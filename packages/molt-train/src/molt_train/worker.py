@@ -16,6 +16,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from nemo_automodel.components.training.model_output_utils import get_final_hidden_states
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -45,9 +46,9 @@ def packed_token_stats(
     """Per-token log-probs of the temperature-scaled distribution (values, for a critic) and
     entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-    targets = batch.input_ids[0, 1:]
+    targets = batch.input_ids[:, 1:]
     if critic:
-        values = model(**inputs).logits[0, :-1, 0].float()
+        values = model(**inputs).logits[:, :-1, 0].float()
         return batch.to_rows(shift_right(values)), None
     if from_hidden:
         # Project only one position in the model; log-probs come from the final hidden states
@@ -55,7 +56,9 @@ def packed_token_stats(
         # after forward (AutoModel shards it with reshard_after_forward=False), so its weight
         # here is the full compute-dtype tensor, and FSDP reduces its gradient after backward.
         out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
-        hidden = out.hidden_states[-1][0, :-1]
+        # A tuple of every layer's states (transformers) or only the final one (some native
+        # AutoModel classes, e.g. Qwen3-MoE): AutoModel's helper reads either.
+        hidden = get_final_hidden_states(out)[:, :-1]
         logprobs, entropy = token_logprobs_and_entropy(
             hidden, model.lm_head.weight, targets, batch.temperature, chunk_size, with_entropy
         )
@@ -65,12 +68,20 @@ def packed_token_stats(
         logits = model(**inputs).logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        logits = logits[0, :-1]
         logprobs, entropy = logprobs_from_logits(
-            logits, targets, batch.temperature, chunk_size, with_entropy
+            logits[:, :-1], targets, batch.temperature, chunk_size, with_entropy
         )
     rows = batch.to_rows(shift_right(logprobs))
     return rows, None if entropy is None else batch.to_rows(shift_right(entropy))
+
+
+def packs_sequences(model: torch.nn.Module) -> bool:
+    """Whether restarting position ids isolate the sequences of a packed row: they do where
+    transformers' mask code builds the attention mask (transformers classes, and native
+    AutoModel classes that dispatch attention through it). Other native layers (Qwen3-MoE,
+    for one) attend causally over the whole row: those microbatches are padded rows."""
+    native = any(c.__module__.startswith("nemo_automodel.") for c in type(model).__mro__)
+    return not native or bool(getattr(model, "_uses_hf_attention", False))
 
 
 def _init_adam_state(optimizer: torch.optim.AdamW) -> None:
@@ -132,9 +143,10 @@ class PolicyWorker:
 
     def setup(
         self, model_path: str, master_addr: str | None = None, master_port: int | None = None
-    ) -> None:
+    ) -> bool:
         """Join the world (env:// when no address is given, as under torchrun), build and shard
-        the model, create the optimizer."""
+        the model, create the optimizer. Returns whether microbatches must be padded rows
+        (`packs_sequences`), which the driver's microbatch plan needs."""
         from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
         from nemo_automodel.components.distributed.mesh import ParallelismSizes
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -179,11 +191,12 @@ class PolicyWorker:
         # per-rank seed below is for everything after.
         torch.manual_seed(self.cfg.seed)
         self.model = self._build_model(model_path)
+        self.padded = not packs_sequences(self.model)
         self._seed(self.cfg.seed + self.rank)
 
         if self.role == "reference":
             self.model.requires_grad_(False)
-            return
+            return self.padded
         optim = self.cfg.optim
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -197,58 +210,61 @@ class PolicyWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_at(step, optim) / optim.lr
         )
+        return self.padded
 
     def _build_model(self, path: str) -> torch.nn.Module:
-        """CPU: the transformers model sharded by AutoModel's own FSDP2 parallelizer (AutoModel's
-        factories call torch.cuda and fail on CPU). GPU: AutoModel's factories (native model
-        classes, TP/EP), fp32 master weights with the mixed-precision policy above.
+        """GPU: AutoModel's factory (native model classes, TP/EP), fp32 master weights with the
+        mixed-precision policy above. CPU (AutoModel's factories call into CUDA) and the critic
+        (the factory loads checkpoint weights by name and rejects the new value head): the
+        transformers model, sharded by AutoModel's own FSDP2 parallelizer.
 
         The critic is the same backbone with a one-output token head: its value at token t
         reads the hidden state of token t - 1, like a log-prob."""
         critic = self.role == "critic"
-        head = {"num_labels": 1} if critic else {}
-        if self.on_gpu:
-            from nemo_automodel import (
-                NeMoAutoModelForCausalLM,
-                NeMoAutoModelForTokenClassification,
-            )
+        if self.on_gpu and not critic:
+            from nemo_automodel import NeMoAutoModelForCausalLM
             from nemo_automodel.components.utils.model_utils import FreezeConfig, ModuleSelector
 
-            factory = NeMoAutoModelForTokenClassification if critic else NeMoAutoModelForCausalLM
-            if self.cfg.freeze_moe_router:  # applied before sharding, like on CPU below
+            extra = {}
+            if self.cfg.freeze_moe_router:  # applied before sharding, like below
                 router = ModuleSelector(glob="*" + ROUTER_MARKER.rstrip("."))
-                head["freeze_config"] = FreezeConfig(freeze_modules=[router])
+                extra["freeze_config"] = FreezeConfig(freeze_modules=[router])
             # No Liger kernels: the trainer computes log-probs itself from the hidden states.
-            model = factory.from_pretrained(
+            return NeMoAutoModelForCausalLM.from_pretrained(
                 path,
                 distributed_setup=self.setup_,
                 dtype=torch.float32,
                 use_liger_kernel=False,
-                **head,
+                **extra,
             )
-        else:
-            from nemo_automodel.components.distributed.model_parallelizer import (
-                parallelize_model,
-            )
-            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-            factory = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-            model = factory.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="sdpa", **head
+        if critic:
+            model = AutoModelForTokenClassification.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa", num_labels=1
             )
-            if self.cfg.freeze_moe_router:  # before sharding: FSDP reads requires_grad then
-                for name, param in model.named_parameters():
-                    if router_params([name]):
-                        param.requires_grad_(False)
-            model = parallelize_model(model, self.setup_.mesh_context)
-        # The token head's dropout (0.1 by default): old and new values of the same weights
-        # must agree for the clipped value loss.
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-        return model
+            # The head's dropout (0.1 by default): old and new values of the same weights must
+            # agree for the clipped value loss.
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        if self.cfg.freeze_moe_router:  # before sharding: FSDP reads requires_grad then
+            for name, param in model.named_parameters():
+                if router_params([name]):
+                    param.requires_grad_(False)
+        return parallelize_model(model.to(self.device), self.setup_.mesh_context)
 
     # ------------------------------------------------------------------ forward passes
+
+    def _batch(self, samples: list[Sample]) -> PackedBatch:
+        if not samples:
+            return empty_batch(self.device, self.padded)
+        return pack(samples, self.device, self.padded)
 
     def _token_stats(self, batch: PackedBatch, with_entropy: bool):
         return packed_token_stats(
@@ -257,7 +273,9 @@ class PolicyWorker:
             self.cfg.logprob_chunk_size,
             with_entropy,
             critic=self.role == "critic",
-            from_hidden=self.fsdp.tp_size == 1,
+            # TP shards the LM head; under EP AutoModel keeps it out of the mixed-precision
+            # policy (fp32 next to bf16 hidden states): let the model project there.
+            from_hidden=self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1,
         )
 
     @torch.no_grad()
@@ -266,7 +284,7 @@ class PolicyWorker:
         self.model.eval()
         results = []
         for samples in microbatches:
-            batch = pack(samples, self.device) if samples else empty_batch(self.device)
+            batch = self._batch(samples)
             rows, _ = self._token_stats(batch, with_entropy=False)
             results.append(batch.to_lists(rows) if samples else [])
         self._reshard()
@@ -319,7 +337,7 @@ class PolicyWorker:
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
                 prepare_for_final_backward([self.model])
-            batch = pack(samples, self.device) if samples else empty_batch(self.device)
+            batch = self._batch(samples)
             if self.role == "critic":
                 loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
             else:
