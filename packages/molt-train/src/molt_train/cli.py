@@ -18,7 +18,7 @@ import typing
 
 import tyro
 
-from molt_train.config import RunConfig, validate_run_config
+from molt_train.config import RunConfig, validate_agent, validate_run_config
 
 _TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cfg = parse(argv)
     _fail_fast(validate_run_config, cfg)  # before Ray or any engine starts
+    _fail_fast(validate_agent, cfg)
     from molt_train.loop import train
 
     train(cfg)

@@ -24,7 +24,7 @@ from molt_algos import (
     validate_is_config,
     validate_loss_config,
 )
-from molt_rollout import RefitConfig, RouterConfig, RunnerConfig, VLLMConfig
+from molt_rollout import ChatRunner, RefitConfig, RouterConfig, RunnerConfig, VLLMConfig, load_agent
 from molt_rollout.data import DataConfig, validate_data_config
 from molt_rollout.eval import EvalConfig
 from molt_rollout.pool import PoolConfig, validate_pool_config
@@ -307,3 +307,15 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
     validate_actor_config(cfg.actor, cfg.fsdp, cluster_gpus)
     validate_data_config(cfg.data)
     validate_logger_config(cfg.logger)
+
+
+def validate_agent(cfg: RunConfig) -> None:
+    """Import the agent module (AgentLoadError, a ValueError, names what is wrong) and check
+    it against the data flags."""
+    runner = load_agent(cfg.train.agent_path)
+    if issubclass(runner, ChatRunner) and not cfg.data.apply_chat_template:
+        raise ValueError(
+            f"--data.apply_chat_template False with the ChatAgent in {cfg.train.agent_path}: "
+            "a ChatAgent's messages are always rendered by the capture server with the chat "
+            "template; verbatim string prompts need the Env form"
+        )

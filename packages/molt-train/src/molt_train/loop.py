@@ -20,7 +20,6 @@ from pathlib import Path
 import ray
 
 from molt_algos import kl_controller
-from molt_rollout import ChatRunner, load_agent
 from molt_rollout.data import PromptSource, load_rows
 from molt_rollout.eval import eval_metrics, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
@@ -34,6 +33,7 @@ from molt_train.config import (
     pool_config,
     runner_config,
     runners_config,
+    validate_agent,
     validate_run_config,
 )
 from molt_train.experience import make_experience
@@ -43,10 +43,10 @@ from molt_train.metrics import rollout_metrics, sample_rows
 
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics."""
+    validate_agent(cfg)  # a broken agent module fails here, in the driver, by name
     start_ray(cfg)
     on_gpu = bool(ray.cluster_resources().get("GPU", 0))
     validate_run_config(cfg, int(ray.cluster_resources().get("GPU", 0)) if on_gpu else None)
-    check_agent(cfg)  # a broken agent module fails here, in the driver, by name
     run_dir = prepare_run_dir(cfg)
     model = cfg.actor.model_path or str(build_tiny_model())
     cfg.actor.model_path = model
@@ -201,16 +201,6 @@ def record_trained_prompts(run_dir: Path, step: int, batch: Batch) -> None:
 def critic_actor_config(cfg: RunConfig, model: str) -> ActorConfig:
     return dataclasses.replace(cfg.actor, model_path=cfg.critic.model_path or model,
                                num_workers=cfg.critic.num_workers, optim=cfg.critic.optim)  # fmt: skip
-
-
-def check_agent(cfg: RunConfig) -> None:
-    runner = load_agent(cfg.train.agent_path)
-    if issubclass(runner, ChatRunner) and not cfg.data.apply_chat_template:
-        raise ValueError(
-            f"--data.apply_chat_template False with the ChatAgent in {cfg.train.agent_path}: "
-            "a ChatAgent's messages are always rendered by the capture server with the chat "
-            "template; verbatim string prompts need the Env form"
-        )
 
 
 def start_ray(cfg: RunConfig) -> None:
