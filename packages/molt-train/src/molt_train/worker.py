@@ -461,9 +461,11 @@ class PolicyWorker:
     # ------------------------------------------------------------------ weights out
 
     def named_full_tensors(self, dtype: torch.dtype | None = None):
-        """(HF name, full tensor) for every state-dict entry, unsharded. Every rank must iterate
-        it in step: each gather is a collective. Native AutoModel classes (MoE) convert their
-        layout back to HF names and shapes through their state-dict adapter."""
+        """(name, full tensor) for every state-dict entry, unsharded, named and shaped as in the
+        model's Hugging Face checkpoint (what vLLM loads). Every rank must iterate it in step:
+        each gather is a collective."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         adapter = getattr(self.model, "state_dict_adapter", None)
         for name, tensor in self.model.state_dict().items():
             if isinstance(tensor, DTensor):
@@ -471,9 +473,10 @@ class PolicyWorker:
                 tensor = tensor.to(self.device).full_tensor()
             tensor = tensor.detach().to(dtype or tensor.dtype)
             name = _hf_name(name)
-            yield from (
-                adapter.convert_single_tensor_to_hf(name, tensor) if adapter else [(name, tensor)]
-            )
+            if adapter is not None:  # native AutoModel classes (MoE) map their own layout
+                yield from adapter.convert_single_tensor_to_hf(name, tensor)
+            else:  # transformers classes undo their load-time conversions (fused MoE experts)
+                yield from revert_weight_conversion(self.model, {name: tensor}).items()
 
     def full_state(self) -> dict | None:
         """Unsharded weights (from `named_full_tensors`) and optimizer state on rank 0's host,
