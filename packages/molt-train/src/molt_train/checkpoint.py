@@ -1,4 +1,5 @@
-"""Resumable checkpoints of a run, and Hugging Face export of the policy.
+"""Resumable checkpoints of a run, each actor rank's sharded part of them, and Hugging Face
+export of the policy.
 
 Layout under the checkpoint root:
 
@@ -16,11 +17,13 @@ nodes the root must be a shared file system: every rank writes its own shards.
 
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -107,6 +110,70 @@ def _fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         _fsync_dir(Path(directory))
+
+
+def save_sharded(path: str, model, optimizer, rank: int, extra: dict) -> None:
+    """One actor rank's part of `ActorGroup.save`: DCP shards of the model (and optimizer,
+    through `get_state_dict`, which names Adam's state by parameter), and `extra` (scheduler,
+    step count, RNG states) in `rank_<r>.pt`. Collective: every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    os.makedirs(path, exist_ok=True)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    dcp.save(state, checkpoint_id=path)
+    torch.save(extra, os.path.join(path, f"rank_{rank:05d}.pt"))
+    dist.barrier()
+
+
+def load_sharded(path: str, model, optimizer, rank: int) -> dict:
+    """Restore what `save_sharded` wrote into `model` (and `optimizer`) in place; return the
+    rank's `extra`. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    # Our own file, written by save_sharded: it holds numpy's RNG state, not just tensors.
+    return torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
+
+
+def rng_state(cuda_device: torch.device | None) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if cuda_device is not None:
+        state["cuda"] = torch.cuda.get_rng_state(cuda_device)
+    return state
+
+
+def set_rng_state(state: dict, cuda_device: torch.device | None) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], cuda_device)
 
 
 def write_hf_checkpoint(

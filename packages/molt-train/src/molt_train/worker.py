@@ -32,6 +32,13 @@ from molt_train.actor import (
     lr_at,
     router_params,
 )
+from molt_train.checkpoint import (
+    load_sharded,
+    rng_state,
+    save_sharded,
+    set_rng_state,
+    write_hf_checkpoint,
+)
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack, shift_right
 
 
@@ -522,84 +529,31 @@ class PolicyWorker:
 
     def save(self, path: str) -> None:
         """Sharded DCP of model (+ optimizer) into `path`; scheduler, step count and RNG states
-        per rank beside it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        os.makedirs(path, exist_ok=True)
-        if self.optimizer is None:
-            state = {"model": get_model_state_dict(self.model)}
-        else:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_state, "optim": optim_state}
-        dcp.save(state, checkpoint_id=path)
+        per rank beside it (molt_train.checkpoint)."""
         extra = {
             "steps": self.steps,
-            "rng": self._rng_state(),
+            "rng": rng_state(self.device if self.on_gpu else None),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
         }
-        torch.save(extra, os.path.join(path, f"rank_{self.rank:05d}.pt"))
-        dist.barrier()
+        save_sharded(path, self.model, self.optimizer, self.rank, extra)
 
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
         self._reshard()
-        if self.optimizer is None:
-            state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["model"])
-        else:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-            )
-        # Our own file, written by save() above: it holds numpy's RNG state, not just tensors.
-        extra = torch.load(os.path.join(path, f"rank_{self.rank:05d}.pt"), weights_only=False)
+        extra = load_sharded(path, self.model, self.optimizer, self.rank)
         self.steps = extra["steps"]
         if self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
-        self._set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"], self.device if self.on_gpu else None)
 
     def _seed(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)  # also seeds every CUDA device
 
-    def _rng_state(self) -> dict:
-        state = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if self.on_gpu:
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def _set_rng_state(self, state: dict) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.device)
-
     def export_hf(self, path: str) -> None:
         """safetensors shards + config + tokenizer, written by rank 0, in the dtype the source
         checkpoint declares (the model trains on fp32 master weights)."""
         from transformers import AutoConfig
-
-        from molt_train.checkpoint import write_hf_checkpoint
 
         config = copy.deepcopy(self.model.config)
         declared = getattr(AutoConfig.from_pretrained(self.model_path), "dtype", None)
