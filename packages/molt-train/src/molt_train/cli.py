@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 import typing
+from pathlib import Path
 
 import tyro
 
@@ -59,20 +60,22 @@ def _fail_fast(validate, cfg) -> None:
 # ---- docs/flags.md ---------------------------------------------------------------------------
 
 
-def flag_rows(config_type: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def flag_rows(config_type: type, prefix: str = "", default=None) -> list[tuple[str, str, str, str]]:
     """(flag, type, default, comment) for every leaf field, in declaration order."""
     rows = []
     comments = _field_comments(config_type)
     hints = typing.get_type_hints(config_type)
-    default = config_type()
+    default = config_type() if default is None else default
     for f in dataclasses.fields(config_type):
         name = f"{prefix}{f.name}"
         value = getattr(default, f.name)
         if dataclasses.is_dataclass(value):
-            rows += flag_rows(type(value), f"{name}.")
+            rows += flag_rows(type(value), f"{name}.", value)
             continue
         type_name = re.sub(r"\b(typing|builtins)\.", "", str(hints[f.name]).replace("<class '", "").replace("'>", ""))  # fmt: skip
-        rows.append((f"--{name}", type_name, repr(value), comments.get(f.name, "")))
+        # Shipped files default to paths inside the installed package: show them portably.
+        shown = repr(value).replace(str(Path(__file__).parent), "<molt_train>")
+        rows.append((f"--{name}", type_name, shown, comments.get(f.name, "")))
     return rows
 
 
