@@ -104,7 +104,7 @@ def quickstart(session: nox.Session) -> None:
         install_package(session, sibling)
     install_package(session, "molt-train", "cpu")
     session.env["RAY_AUTH_MODE"] = "disabled"  # a private local cluster
-    session.run("molt-train", *session.posargs)
+    session.run("molt-train", "quickstart", *session.posargs)
 
 
 @nox.session

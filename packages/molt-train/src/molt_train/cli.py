@@ -2,10 +2,11 @@
 
     molt-train [--actor.* --ref.* --critic.* --fsdp.* --vllm.* --router.* --refit.* --rollout.*
                 --train.* --algo.* --data.* --eval.* --ckpt.* --logger.*]
-    molt-train sft [--sft.* ...]
+    molt-train quickstart [flags]     the tiny model learns the shipped task on CPU
+    molt-train sft [flags]
 
-With no flags it runs the quickstart: the embedded tiny model learns the shipped digits task on
-CPU. `python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
+With no model or data flags a run trains the embedded tiny model on the shipped digits task;
+`quickstart` adds the settings that learn it in a few minutes. `python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ from pathlib import Path
 import tyro
 
 from molt_train.config import RunConfig, validate_agent, validate_run_config
+
+# `molt-train quickstart`: the shipped digits task (the defaults' data and agent) with settings
+# that learn it on CPU in a few minutes (found with benchmarks/quickstart_task_prototype.py).
+# Flags given after `quickstart` override these.
+QUICKSTART = [
+    "--actor.optim.lr", "5e-3",
+    "--rollout.max_tokens", "1",
+    "--rollout.groups_per_batch", "16",
+    "--rollout.n_samples_per_prompt", "8",
+    "--train.num_steps", "40",
+    "--eval.every_steps", "10",
+    "--vllm.dtype", "float32",  # the tiny model is fp32; vLLM's "auto" would downcast it
+]  # fmt: skip
 
 _TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
 
@@ -38,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail_fast(validate_sft_config, cfg)
         train_sft(cfg)
         return
-    if argv and argv[0] == "flags-doc":
+    if argv and argv[0] == "quickstart":
+        argv = QUICKSTART + argv[1:]
+    elif argv and argv[0] == "flags-doc":
         write_flags_doc(argv[1] if len(argv) > 1 else "docs/flags.md")
         return
     cfg = parse(argv)
