@@ -42,14 +42,15 @@ def _padded(rows: list[list[float]], length: int, dtype=torch.float32) -> torch.
 
 def make_experience(
     batch: Batch,
+    version: int,
     policy: ActorGroup,
     algo: AlgoConfig,
     kl_coef: float,
     reference: ActorGroup | None = None,
     critic: ActorGroup | None = None,
 ) -> Experience:
-    """Samples with advantages, old log-probs and IS weights for one training batch.
-    `kl_coef`: the current coefficient of KL in the reward (the KL controller's)."""
+    """Samples with advantages, old log-probs and IS weights for one training batch, trained
+    at weight `version`. `kl_coef`: the current coefficient of KL in the reward."""
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
     samples = [
@@ -67,6 +68,14 @@ def make_experience(
 
     correction = importance_correction(old, rollout_logprobs, mask, algo.advantage.is_config())
     metrics = dict(correction.metrics)
+    # The correction's KL mixes two things: the engine/trainer mismatch and the policy change
+    # since older versions sampled (asynchrony). `vllm_kl` is the mismatch alone, over tokens
+    # sampled by exactly the weights being trained (NaN when a batch has none);
+    # `off_policy_kl` is both, over every trained token.
+    metrics["off_policy_kl"] = metrics.pop("vllm_kl")
+    current = mask & (_padded([s.weight_versions for _, s in segments], width) == version)
+    log_ratio = (rollout_logprobs - old)[current]
+    metrics["vllm_kl"] = log_ratio.mean().item() if log_ratio.numel() else float("nan")
     kl = None
     if ref is not None:
         kl = kl_estimate(old, ref, mask, algo.kl.estimator)

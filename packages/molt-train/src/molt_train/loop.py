@@ -102,7 +102,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
             batch = pool.next_batch(version)
             t_generated = time.perf_counter()
 
-            experience = make_experience(batch, policy, cfg.algo, kl_ctl.coef, reference, critic)
+            experience = make_experience(
+                batch, version, policy, cfg.algo, kl_ctl.coef, reference, critic
+            )
             t_experience = time.perf_counter()
             train_metrics = train_on(
                 experience.samples, experience.sample_groups, policy, critic, cfg
