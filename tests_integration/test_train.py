@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-# Fewer steps than the README's quickstart, W&B off; everything else is the shipped default.
-FAST = ["--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False"]
+# The README's quickstart settings with fewer steps and W&B off; each test adds its own flags.
+FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
+        "--eval.every_steps", "0"]  # fmt: skip
 
 
 def molt_train(run_dir: Path, *flags: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -47,9 +48,10 @@ def test_quickstart_learns(tmp_path, agent):
     first, last = rows[0]["rollout/reward_mean"], mean(r["rollout/reward_mean"] for r in rows[-3:])
     assert last > first + 0.2, [r["rollout/reward_mean"] for r in rows]
     assert "eval/pass@1" in rows[5] and "eval/digits/pass@1" in rows[11]
-    for r in rows:
-        assert r["vllm_kl"] < 1e-3  # the engines sample exactly the policy the actor trains
-        assert r["pool/version_lag_max"] <= 2  # --train.max_staleness
+    # Tokens sampled by the weights being trained: the engines sample exactly that policy.
+    mismatch = [r["vllm_kl"] for r in rows if r["vllm_kl"] is not None]
+    assert mismatch and max(abs(kl) for kl in mismatch) < 1e-3, mismatch
+    assert all(r["pool/version_lag_max"] <= 2 for r in rows)  # --train.max_staleness
     assert "checkpoints" in out.stdout and (run / "tensorboard").is_dir()
     assert (run / "config.json").exists() and (run / "checkpoints").is_dir()
 
@@ -58,9 +60,11 @@ def test_partial_rollouts_span_versions(tmp_path):
     """Long replies, one batch generated ahead, refit keeps in-flight requests: some trained
     rollouts mix weight versions, and they are corrected per token."""
     run = tmp_path / "partial"
-    molt_train(run, *FAST, "--train.num_steps", "4", "--rollout.max_tokens", "96",
-               "--rollout.groups_per_batch", "4", "--train.partial_rollout_enable", "True",
-               "--train.max_staleness", "None")  # fmt: skip
+    # Long replies from few groups: the groups launched after a batch is taken are still
+    # generating when the next refit lands (measured: 25-40% of rollouts span versions).
+    molt_train(run, *FAST, "--train.num_steps", "5", "--rollout.max_tokens", "768",
+               "--rollout.groups_per_batch", "2", "--rollout.n_samples_per_prompt", "4",
+               "--train.partial_rollout_enable", "True", "--train.max_staleness", "None")  # fmt: skip
     rows = metrics(run)
     assert max(r["pool/mixed_version_rollouts"] for r in rows) > 0
     assert all("is_ratio_mean" in r for r in rows)

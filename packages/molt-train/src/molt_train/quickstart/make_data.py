@@ -1,4 +1,5 @@
-"""Writes the quickstart task's prompts next to this file: digits_train.jsonl, digits_eval.jsonl.
+"""Writes the quickstart task's data next to this file: digits_train.jsonl, digits_eval.jsonl
+(RL prompts) and digits_sft.jsonl (chat conversations for `molt-train sft`).
 
 Run: python -m molt_train.quickstart.make_data   (deterministic: the same files every time)
 
@@ -18,6 +19,7 @@ from pathlib import Path
 PROMPTS = {"digit": "0123456789", "letter": "abcdefghij"}
 TRAIN_ROWS = 256
 EVAL_ROWS = 50
+SFT_ROWS = 128
 
 
 def make_rows(count: int, seed: int) -> list[dict]:
@@ -34,6 +36,22 @@ def make_rows(count: int, seed: int) -> list[dict]:
     ]
 
 
+def make_conversations(count: int, seed: int) -> list[dict]:
+    """Chat rows for SFT: one or two exchanges, each answered with one character of the kind
+    the prompt shows."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        messages = []
+        for _ in range(1 + i % 2):
+            kind = rng.choice(list(PROMPTS))
+            answer = rng.choice("0123456789" if kind == "digit" else "abcdefghijklmnopqrstuvwxyz")
+            messages += [{"role": "user", "content": PROMPTS[kind]},
+                         {"role": "assistant", "content": answer}]  # fmt: skip
+        rows.append({"messages": messages, "data_source": "digits"})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -42,6 +60,7 @@ def main() -> None:
     folder = Path(__file__).parent
     write_jsonl(folder / "digits_train.jsonl", make_rows(TRAIN_ROWS, seed=0))
     write_jsonl(folder / "digits_eval.jsonl", make_rows(EVAL_ROWS, seed=1))
+    write_jsonl(folder / "digits_sft.jsonl", make_conversations(SFT_ROWS, seed=2))
 
 
 if __name__ == "__main__":
