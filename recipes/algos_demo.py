@@ -1,7 +1,7 @@
 """A toy RL step with molt-algos alone: two prompts, four samples each, GRPO advantages,
 train/rollout IS correction, a PPO loss over a tiny linear policy, one gradient step.
 
-Run: python3 -m nox -s quickstart   (or: python recipes/algos_demo.py with molt-algos installed)
+Run: python recipes/algos_demo.py   (needs only molt-algos; the real quickstart is `molt-train quickstart`)
 """
 
 import torch
