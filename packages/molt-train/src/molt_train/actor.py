@@ -26,22 +26,22 @@ ROUTER_MARKER = "mlp.gate."  # Qwen3-MoE router weights: model.layers.N.mlp.gate
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = 1e-6  # AdamW learning rate (peak, after warmup)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decays
+    eps: float = 1e-8  # AdamW denominator epsilon
     warmup_steps: int = 0  # linear warmup from 0 to lr
     schedule: str = "constant"  # after warmup: constant | linear | cosine (down to min_lr)
     min_lr: float = 0.0  # the floor of linear/cosine decay
     total_steps: int | None = None  # decay horizon; required for linear/cosine
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this
 
 
 @dataclass
 class FSDPConfig:
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
+    tp_size: int = 1  # tensor parallel ranks (GPU; AutoModel)
+    cp_size: int = 1  # context parallel ranks: > 1 is rejected (not wired to packing yet)
+    ep_size: int = 1  # expert parallel ranks for MoE models (GPU; AutoModel)
     offload: str = "none"  # none | optimizer (Adam states and sharded fp32 params on the host)
     reshard_after_forward: bool = True  # ZeRO-3; False keeps layers gathered (ZeRO-2-like)
 
@@ -49,14 +49,14 @@ class FSDPConfig:
 @dataclass
 class ActorConfig:
     model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model
-    num_workers: int = 2
-    max_tokens_per_microbatch: int = 8192
-    gradient_checkpointing: bool = False
+    num_workers: int = 2  # ranks (one per GPU; CPU processes on CPU)
+    max_tokens_per_microbatch: int = 8192  # packing budget per microbatch
+    gradient_checkpointing: bool = False  # activation checkpointing of decoder layers
     logprob_chunk_size: int = 1024  # tokens per block of molt_algos' chunked log-probs
     dtype: str = "bf16"  # GPU compute dtype (fp32 master weights); on CPU everything is fp32
     optim: OptimConfig = field(default_factory=OptimConfig)
-    freeze_moe_router: bool = False
-    seed: int = 0
+    freeze_moe_router: bool = False  # do not train MoE router weights
+    seed: int = 0  # base seed; each rank adds its rank
 
 
 def validate_actor_config(

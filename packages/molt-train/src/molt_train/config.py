@@ -39,8 +39,8 @@ class RolloutConfig:
 
     n_samples_per_prompt: int = 8  # rollouts per prompt: one group
     groups_per_batch: int = 16  # prompt groups per training batch
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling; the trainer recomputes log-probs at it
+    top_p: float = 1.0  # < 1 is refused with an IS correction (biased ratios)
     max_tokens: int | None = None  # per turn; None: what the budgets leave
     max_len: int = 2048  # tokens per rollout trace: prompt, replies, observations
     max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns
@@ -49,16 +49,14 @@ class RolloutConfig:
     stale_policy: str = "drop"  # a group past --train.max_staleness: "drop" or "requeue"
     parser: str = "qwen3"  # reply markup (tool calls, reasoning) of the model family
     num_runners: int = 2  # agent-runner actors
-    cpus_per_runner: float = 0.25
+    cpus_per_runner: float = 0.25  # Ray CPUs per runner actor (fractional)
 
 
 @dataclass
 class TrainConfig:
     """The loop (`--train.*`)."""
 
-    agent_path: str = (
-        "molt_train.quickstart.digits_env"  # module path or file exporting AgentRunner
-    )
+    agent_path: str = "molt_train.quickstart.digits_env"  # module or .py file with AgentRunner
     num_steps: int = 30  # optimizer steps (batches) of the run
     async_queue_size: int = 1  # batches generated ahead of the one training (0: one-step off)
     max_staleness: int | None = 2  # weight versions a trained token may lag; None: unbounded
@@ -67,7 +65,7 @@ class TrainConfig:
     epochs_per_batch: int = 1  # optimizer passes over each batch
     mini_batches: int = 1  # optimizer steps per batch (groups_per_batch must divide by it)
     output_dir: str = "runs"  # the run directory is output_dir/<run name>
-    seed: int = 0
+    seed: int = 0  # the run seed (the actor adds its rank)
     ray_address: str | None = None  # an existing Ray cluster; None starts a local one
 
 
@@ -75,13 +73,15 @@ class TrainConfig:
 class AdvantageFlags:
     """The estimator and its parameters, and the train/rollout IS correction (`--algo.advantage.*`)."""
 
-    estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten: bool = True
-    eps: float = 1e-6
+    estimator: str = (
+        "grpo"  # reinforce[_baseline] | rloo | grpo | dr_grpo | gae | on_policy_distill
+    )
+    gamma: float = 1.0  # discount per action token (reinforce*, gae)
+    lam: float = 1.0  # GAE lambda
+    whiten: bool = True  # batch-whiten advantages (reinforce*, gae)
+    eps: float = 1e-6  # added to standard deviations
     kl_coef: float = 0.0  # KL to the reference in the reward (token-level estimators only)
-    distill_coef: float = 1.0
+    distill_coef: float = 1.0  # on_policy_distill: weight of the teacher log-ratio
     is_correction_level: str = "token"  # off | token | seq | geo
     is_correction_mode: str = "trunc"  # mask | clip | trunc
     is_correction_threshold: float = 2.0  # ratio band [1/threshold, threshold]
@@ -102,7 +102,7 @@ class KLFlags:
     loss_coef: float = 0.0  # KL as a loss term
     estimator: str = "k3"  # k1 | k2 | k3
     target: float | None = None  # adaptive coefficient of the reward KL toward this KL
-    horizon: float = 10_000.0
+    horizon: float = 10_000.0  # adaptive KL: samples over which the coefficient adapts
 
 
 @dataclass
@@ -112,17 +112,17 @@ class AlgoConfig:
     advantage: AdvantageFlags = field(default_factory=AdvantageFlags)
     policy_loss: str = "ppo"  # ppo | gspo | cispo
     loss: LossConfig = field(default_factory=LossConfig)
-    aggregation: str = "token-mean"
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
     kl: KLFlags = field(default_factory=KLFlags)
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus in the loss
 
 
 @dataclass
 class RefConfig:
     """The frozen reference policy (`--ref.*`)."""
 
-    enable: bool = False
+    enable: bool = False  # start a frozen reference policy (KL, distillation)
     model_path: str = ""  # "": the actor's initial weights
     num_workers: int = 1
 
@@ -142,7 +142,7 @@ class CheckpointConfig:
     """Sharded checkpoints of the whole run (`--ckpt.*`)."""
 
     every_steps: int = 0  # 0: only at the end of the run
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     export_hf: bool = True  # safetensors of the final policy, loadable by vLLM and HF
 
