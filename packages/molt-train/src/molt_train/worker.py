@@ -155,6 +155,7 @@ class PolicyWorker:
         the model, create the optimizer. Returns whether microbatches must be padded rows
         (`packs_sequences`), which the driver's microbatch plan needs."""
         from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+        from nemo_automodel.components.distributed.fsdp2 import fsdp2_sharding_enabled
         from nemo_automodel.components.distributed.mesh import ParallelismSizes
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -199,6 +200,10 @@ class PolicyWorker:
         torch.manual_seed(self.cfg.seed)
         self.model = self._build_model(model_path)
         self.padded = not packs_sequences(self.model)
+        # AutoModel leaves a world of one unsharded, so FSDP's mixed-precision cast never
+        # happens there: autocast to the compute dtype instead (fp32 master weights either way).
+        unsharded = not fsdp2_sharding_enabled(self.setup_.mesh_context.device_mesh)
+        self.autocast = self.on_gpu and unsharded and compute != torch.float32
         self._seed(self.cfg.seed + self.rank)
 
         if self.role == "reference":
@@ -274,16 +279,18 @@ class PolicyWorker:
         return pack(samples, self.device, self.padded)
 
     def _token_stats(self, batch: PackedBatch, with_entropy: bool):
-        return packed_token_stats(
-            self.model,
-            batch,
-            self.cfg.logprob_chunk_size,
-            with_entropy,
-            critic=self.role == "critic",
-            # TP shards the LM head; under EP AutoModel keeps it out of the mixed-precision
-            # policy (fp32 next to bf16 hidden states): let the model project there.
-            from_hidden=self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1,
-        )
+        autocast = torch.autocast(self.device.type, DTYPES[self.cfg.dtype], enabled=self.autocast)
+        with autocast:
+            return packed_token_stats(
+                self.model,
+                batch,
+                self.cfg.logprob_chunk_size,
+                with_entropy,
+                critic=self.role == "critic",
+                # TP shards the LM head; under EP AutoModel keeps it out of the mixed-precision
+                # policy (fp32 next to bf16 hidden states): let the model project there.
+                from_hidden=self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1,
+            )
 
     @torch.no_grad()
     def forward_logprobs(self, microbatches: list[list[Sample]]) -> list[list[list[float]]]:
