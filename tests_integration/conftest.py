@@ -19,6 +19,9 @@ def tiny_model(tmp_path_factory) -> str:
 def ray_cluster():
     import ray
 
+    if ray.is_initialized():  # another test directory's session fixture started it: share it
+        yield
+        return
     ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
              log_to_driver=False)  # fmt: skip
     yield

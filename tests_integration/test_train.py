@@ -41,13 +41,14 @@ def mean(values) -> float:
 @pytest.mark.parametrize("agent", ["digits_env", "digits_chat"])
 def test_quickstart_learns(tmp_path, agent):
     run = tmp_path / agent
+    # Half the README's 40 steps: measured runs pass 0.9 at steps 17-18 from about 0.2.
     out = molt_train(run, *FAST, "--train.agent_path", f"molt_train.quickstart.{agent}",
-                     "--train.num_steps", "12", "--eval.every_steps", "6")  # fmt: skip
+                     "--train.num_steps", "20", "--eval.every_steps", "10")  # fmt: skip
     rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     first, last = rows[0]["rollout/reward_mean"], mean(r["rollout/reward_mean"] for r in rows[-3:])
-    assert last > first + 0.2, [r["rollout/reward_mean"] for r in rows]
-    assert "eval/pass@1" in rows[5] and "eval/digits/pass@1" in rows[11]
+    assert last > first + 0.3, [r["rollout/reward_mean"] for r in rows]
+    assert "eval/pass@1" in rows[9] and "eval/digits/pass@1" in rows[19]
     # Tokens sampled by the weights being trained: the engines sample exactly that policy.
     mismatch = [r["vllm_kl"] for r in rows if r["vllm_kl"] is not None]
     assert mismatch and max(abs(kl) for kl in mismatch) < 1e-3, mismatch

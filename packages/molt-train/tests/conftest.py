@@ -20,8 +20,10 @@ def ray_cluster():
     """Started once for every test that needs it (about 2.5 s), with a small object store."""
     import ray
 
-    ray.init(
-        num_cpus=2, object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False
-    )
+    if ray.is_initialized():  # another test directory's session fixture started it: share it
+        yield
+        return
+    ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
+             log_to_driver=False)  # fmt: skip
     yield
     ray.shutdown()
