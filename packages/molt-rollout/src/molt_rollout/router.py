@@ -39,6 +39,9 @@ class Router:
             executable, "--host", "127.0.0.1", "--port", str(port),
             "--policy", self.cfg.policy,
             "--worker-urls", *self.engine_urls,
+            # Its metrics exporter defaults to a fixed port (29000): two routers on one host
+            # (two runs, or a run beside a test's engines) would collide.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         ]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
