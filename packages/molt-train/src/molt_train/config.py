@@ -147,6 +147,14 @@ class CheckpointConfig:
     export_hf: bool = True  # safetensors of the final policy, loadable by vLLM and HF
 
 
+def quickstart_data() -> DataConfig:
+    """With no --data flags a run trains on the shipped digits task (the quickstart)."""
+    from molt_train.quickstart import data_path
+
+    return DataConfig(train_files=[str(data_path("digits_train.jsonl"))],
+                      eval_files=[str(data_path("digits_eval.jsonl"))])  # fmt: skip
+
+
 @dataclass
 class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -159,18 +167,10 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
-    data: DataConfig = field(default_factory=lambda: quickstart_data())
+    data: DataConfig = field(default_factory=quickstart_data)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-
-
-def quickstart_data() -> DataConfig:
-    """With no --data flags a run trains on the shipped digits task (the quickstart)."""
-    from molt_train.quickstart import data_path
-
-    return DataConfig(train_files=[str(data_path("digits_train.jsonl"))],
-                      eval_files=[str(data_path("digits_eval.jsonl"))])  # fmt: skip
 
 
 # ---- derived configs -----------------------------------------------------------------------

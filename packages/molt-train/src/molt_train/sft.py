@@ -17,7 +17,14 @@ import ray
 
 from molt_rollout.data import load_rows
 from molt_rollout.tiny_model import build_tiny_model
-from molt_train.actor import ActorConfig, ActorGroup, FSDPConfig, validate_actor_config
+from molt_train.actor import (
+    SFT_LOSS,
+    ActorConfig,
+    ActorGroup,
+    FSDPConfig,
+    OptimConfig,
+    validate_actor_config,
+)
 from molt_train.checkpoint import CheckpointManager
 from molt_train.logger import LoggerConfig, MetricsLogger, format_final_message
 from molt_train.packing import Sample
@@ -47,17 +54,11 @@ class SFTTrainConfig:
 
 @dataclass
 class SFTConfig:
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(optim=_sft_optim()))
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(optim=OptimConfig(lr=1e-3)))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-
-
-def _sft_optim():
-    from molt_train.actor import OptimConfig
-
-    return OptimConfig(lr=1e-3)
 
 
 def validate_sft_config(cfg: SFTConfig) -> None:
@@ -132,7 +133,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
             for first in range(0, len(order), cfg.train.batch_size):
                 batch = [samples[i] for i in order[first : first + cfg.train.batch_size]]
                 t0 = time.perf_counter()
-                metrics = actor.train_step(batch, "sft", None)
+                metrics = actor.train_step(batch, SFT_LOSS, None)
                 metrics["timing/step_total"] = time.perf_counter() - t0
                 step += 1
                 logger.log(step, metrics)
