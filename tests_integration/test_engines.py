@@ -206,7 +206,8 @@ def test_pause_abort_ends_in_flight_requests(rollout):
     url = rollout.engines.urls[0]
     body = {"model": rollout.model, "token_ids": PROMPT, "stream": True,
             "sampling_params": {"max_tokens": LONG_GENERATION, "logprobs": 0, "ignore_eos": True}}  # fmt: skip
-    started = threading.Event()
+    streams = 6
+    started = threading.Semaphore(0)  # one release per stream, at its first tokens
 
     def stream() -> tuple[str, int]:
         count, finish = 0, None
@@ -214,18 +215,21 @@ def test_pause_abort_ends_in_flight_requests(rollout):
             for line in reply.iter_lines():
                 if line.startswith("data:") and line.strip() != "data: [DONE]":
                     choice = json.loads(line.removeprefix("data:"))["choices"][0]
+                    if count == 0:
+                        started.release()
                     count += len(choice.get("token_ids") or [])
                     finish = choice.get("finish_reason") or finish
-                    started.set()
         return finish, count
 
-    # Several long requests at once, as in the refit test: some are mid-generation at the pause.
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(stream) for _ in range(6)]
-        assert started.wait(120)
+    # Several long requests at once. Pause only once every one is generating: a request that
+    # reaches a paused engine waits for resume (vLLM schedules nothing new while paused), so
+    # pausing early would leave it waiting on this test.
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(stream) for _ in range(streams)]
+        assert all(started.acquire(timeout=120) for _ in range(streams))
         rollout.refitter.pause("abort")  # the same call on every engine
         try:
-            results = [f.result() for f in futures]
+            results = [f.result(timeout=120) for f in futures]
         finally:
             rollout.refitter.resume()
     finishes = [finish for finish, _ in results]
