@@ -370,3 +370,15 @@ def test_agent_can_drop_on_purpose(make_runner):
 
     runner, _ = make_runner(Picky)
     assert run(runner).reason == "unusable_prompt"
+
+
+def test_with_sampling_shares_the_capture_server(make_runner):
+    runner, gen = make_runner(OpenAIStreamingAgent, temperature=1.0)
+    sibling = runner.with_sampling(RunnerConfig(temperature=0.25, max_tokens=7))
+    assert run(sibling).segments and run(runner).reward == 1.0  # 7 tokens: a cut reply
+    assert sibling.server is runner.server  # one capture server per runner process
+    eval_call, train_call = gen.calls
+    assert (eval_call.params.temperature, eval_call.params.max_tokens) == (0.25, 7)
+    assert train_call.params.temperature == 1.0
+    sibling.close()  # the owner's to stop, not the sibling's
+    assert runner._server is not None

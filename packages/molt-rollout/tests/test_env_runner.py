@@ -318,3 +318,14 @@ def test_env_can_drop_on_purpose(tokenizer):
     dropped = run(runner)
     assert (dropped.reason, dropped.detail) == ("sandbox", "container did not start")
     assert not gen.calls
+
+
+def test_with_sampling_changes_only_the_sampling(tokenizer):
+    runner, gen = make_runner(tokenizer, ExactAnswer, ["The answer is 3."], temperature=1.0)
+    sibling = runner.with_sampling(RunnerConfig(temperature=0.25, max_tokens=7))
+    run(sibling)
+    run(runner)
+    eval_call, train_call = gen.calls
+    assert (eval_call.params.temperature, eval_call.params.max_tokens) == (0.25, 7)
+    assert train_call.params.temperature == 1.0 and runner.config.temperature == 1.0
+    assert sibling.generator is runner.generator and eval_call.token_ids == train_call.token_ids

@@ -133,3 +133,4 @@ def test_eval_config():
     base = RunnerConfig(temperature=1.0, max_tokens=512, max_turns=3)
     cfg = eval_runner_config(base, EvalConfig(temperature=0.6, top_p=0.95, max_tokens=64))
     assert (cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.max_turns) == (0.6, 0.95, 64, 3)
+    assert eval_runner_config(base, EvalConfig()).max_tokens == 512  # None: the training's

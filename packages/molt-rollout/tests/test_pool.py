@@ -165,9 +165,9 @@ def trained_versions(batch) -> list[int]:
     ("changes", "flag"),
     [
         ({"groups_per_batch": 0, "max_inflight_groups": 0}, "--rollout.groups_per_batch"),
-        ({"max_inflight_groups": 1}, "--rollout.max_inflight_groups"),
+        ({"max_inflight_groups": 1}, "max_inflight_groups"),
         ({"n_samples_per_prompt": 0}, "--rollout.n_samples_per_prompt"),
-        ({"min_rollouts_per_group": 5}, "--rollout.min_rollouts_per_group"),
+        ({"min_rollouts_per_group": 5}, "min_rollouts_per_group"),
         ({"max_staleness": -1}, "--train.max_staleness"),
         ({"stale_policy": "keep"}, "--rollout.stale_policy"),
     ],

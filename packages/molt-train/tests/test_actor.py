@@ -93,9 +93,10 @@ def test_validate_actor_config_names_the_flags():
     ok = ActorConfig(num_workers=4)
     validate_actor_config(ok, FSDPConfig(), None)
     validate_actor_config(ok, FSDPConfig(tp_size=2, ep_size=2), 8)
+    validate_actor_config(ok, FSDPConfig(tp_size=2), None)  # devices unknown yet (before Ray)
     cases = [
         (ok, FSDPConfig(tp_size=3), 8, "--fsdp.tp_size"),
-        (ok, FSDPConfig(tp_size=2), None, "need GPUs"),
+        (ok, FSDPConfig(tp_size=2), 0, "need GPUs"),
         (ok, FSDPConfig(ep_size=2), 0, "need GPUs"),
         (ok, FSDPConfig(cp_size=2), 8, "--fsdp.cp_size"),
         (ok, FSDPConfig(offload="params"), None, "--fsdp.offload"),

@@ -35,6 +35,11 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--rollout.top_p", "0.9"], ["--algo.advantage.is_correction_level", "--rollout.top_p"]),
         (["--train.force_on_policy", "True", "--train.epochs_per_batch", "2"],
          ["--train.force_on_policy", "--train.epochs_per_batch"]),
+        (["--train.force_on_policy", "True", "--train.mini_batches", "2"],
+         ["--train.force_on_policy", "--train.mini_batches"]),
+        (["--vllm.enable_return_routed_experts", "True", "--vllm.mtp_num_speculative_tokens", "2"],
+         ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"]),
+        (["--eval.n_samples", "0"], ["--eval.n_samples"]),
         (["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
          ["--rollout.groups_per_batch", "--train.mini_batches"]),
         (["--algo.kl.loss_coef", "0.1"], ["--ref.enable"]),
@@ -62,6 +67,16 @@ def test_more_gpus_than_the_cluster_has():
     cfg = _cfg(["--actor.num_workers", "4", "--vllm.num_engines", "4"])
     with pytest.raises(ValueError, match="asks for 8 GPUs.*has 2"):
         validate_run_config(cfg, cluster_gpus=2)
+
+
+def test_device_checks_wait_for_the_cluster():
+    """Before Ray starts the GPU count is unknown: tensor parallelism passes the CLI's check
+    and is judged once the cluster is up (refused on a CPU cluster)."""
+    cfg = _cfg(["--actor.num_workers", "2", "--fsdp.tp_size", "2", "--vllm.num_engines", "2"])
+    validate_run_config(cfg)
+    validate_run_config(cfg, cluster_gpus=4)
+    with pytest.raises(ValueError, match="--fsdp.tp_size / --fsdp.ep_size > 1 need GPUs"):
+        validate_run_config(cfg, cluster_gpus=0)
 
 
 def test_dotted_flags_reach_nested_fields():

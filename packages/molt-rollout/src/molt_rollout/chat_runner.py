@@ -9,6 +9,7 @@ compaction) into one `Rollout` with the agent's reward.
 from __future__ import annotations
 
 import asyncio
+import copy
 import concurrent.futures
 import contextlib
 import time
@@ -50,10 +51,13 @@ class ChatRunner:
         self.tokenizer = tokenizer
         self.config = config or RunnerConfig()
         self._server: CaptureServer | None = None
+        self._server_owner: ChatRunner | None = None  # set on a with_sampling() sibling
 
     @property
     def server(self) -> CaptureServer:
         """Started lazily, so runners that are never used hold no port or thread."""
+        if self._server_owner is not None:
+            return self._server_owner.server  # one capture server per runner process
         if self._server is None:
             cfg = self.config
             self._server = CaptureServer(
@@ -70,6 +74,14 @@ class ChatRunner:
         """One agent per rollout; override to pass constructor arguments."""
         assert self.agent_class is not None, "set AgentRunner.agent_class"
         return self.agent_class()
+
+    def with_sampling(self, config: RunnerConfig) -> ChatRunner:
+        """This runner with other sampling and limits (the eval's) on the same capture server:
+        sampling is set per session, so the server itself does not change."""
+        sibling = copy.copy(self)
+        sibling.config = config
+        sibling._server, sibling._server_owner = None, self
+        return sibling
 
     def close(self) -> None:
         if self._server is not None:

@@ -8,6 +8,7 @@ after `max_turns`, when the token budgets run out, or at the wall-clock deadline
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -60,6 +61,12 @@ class EnvRunner:
 
     def close(self) -> None:
         """Nothing to release (the chat runner stops its capture server here)."""
+
+    def with_sampling(self, config: RunnerConfig) -> EnvRunner:
+        """This runner with other sampling and limits (the eval's), sharing everything else."""
+        sibling = copy.copy(self)
+        sibling.config = config
+        return sibling
 
     async def run(self, row: dict[str, Any], rollout_id: str, group_id: str) -> Rollout | Dropped:
         """One rollout; never raises for an agent's or engine's failure, returns `Dropped`."""

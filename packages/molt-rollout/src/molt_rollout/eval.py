@@ -27,7 +27,7 @@ class EvalConfig:
     n_samples: int = 4  # samples per prompt; pass@k for every power of 2 up to n, and n
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # per turn; None: the training's (--rollout.max_tokens)
     max_prompts: int | None = None  # the first rows of the eval files only
 
 
@@ -46,8 +46,9 @@ def validate_eval_config(cfg: EvalConfig) -> None:
 
 def eval_runner_config(base: RunnerConfig, cfg: EvalConfig) -> RunnerConfig:
     """The training runners' config with the eval's sampling, for the runners that evaluate."""
+    max_tokens = base.max_tokens if cfg.max_tokens is None else cfg.max_tokens
     return dataclasses.replace(
-        base, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
+        base, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens
     )
 
 

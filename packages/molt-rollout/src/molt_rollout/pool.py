@@ -91,7 +91,7 @@ def validate_pool_config(cfg: PoolConfig) -> None:
         raise ValueError(f"--rollout.groups_per_batch must be >= 1, got {cfg.groups_per_batch}")
     if cfg.max_inflight_groups < cfg.groups_per_batch:
         raise ValueError(
-            f"--rollout.max_inflight_groups ({cfg.max_inflight_groups}) must be >= "
+            f"max_inflight_groups ({cfg.max_inflight_groups}) must be >= "
             f"--rollout.groups_per_batch ({cfg.groups_per_batch}): a batch needs that many "
             "groups outstanding"
         )
@@ -101,7 +101,7 @@ def validate_pool_config(cfg: PoolConfig) -> None:
         )
     if not 1 <= cfg.min_rollouts_per_group <= cfg.n_samples_per_prompt:
         raise ValueError(
-            f"--rollout.min_rollouts_per_group must lie in [1, --rollout.n_samples_per_prompt "
+            f"min_rollouts_per_group must lie in [1, --rollout.n_samples_per_prompt "
             f"= {cfg.n_samples_per_prompt}], got {cfg.min_rollouts_per_group}"
         )
     if cfg.max_staleness is not None and cfg.max_staleness < 0:

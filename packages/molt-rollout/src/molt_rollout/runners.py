@@ -42,11 +42,8 @@ class AgentWorker:
         tokenizer = AutoTokenizer.from_pretrained(model)
         client = TokenClient(router_url, model, request_timeout_s, max_retries)
         self.runner = runner_class(client, tokenizer, runner)
-        # Eval tasks sample with their own parameters: a second runner of the same agent.
-        self.eval_runner = self.runner
-        if eval_runner is not None:
-            eval_client = TokenClient(router_url, model, request_timeout_s, max_retries)
-            self.eval_runner = runner_class(eval_client, tokenizer, eval_runner)
+        # Eval tasks sample with their own parameters: the same runner with the eval's config.
+        self.eval_runner = self.runner if eval_runner is None else self.runner.with_sampling(eval_runner)
 
     async def run_group(self, task: PromptTask) -> GroupResult:
         """All n rollouts of one prompt at once; failures come back as `Dropped`, not raised."""
@@ -64,9 +61,7 @@ class AgentWorker:
         return True
 
     def close(self) -> None:
-        self.runner.close()
-        if self.eval_runner is not self.runner:
-            self.eval_runner.close()
+        self.runner.close()  # the eval runner shares its resources
 
 
 class RunnerGroup:

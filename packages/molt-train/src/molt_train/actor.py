@@ -62,8 +62,9 @@ class ActorConfig:
 def validate_actor_config(
     actor: ActorConfig, fsdp: FSDPConfig, num_gpus_available: int | None
 ) -> None:
-    """Raise ValueError naming the flags of a bad combination. `num_gpus_available` is None
-    (or 0) for a CPU run."""
+    """Raise ValueError naming the flags of a bad combination. `num_gpus_available`: the GPUs
+    of the cluster (0 on CPU), or None while unknown (before Ray starts), which defers the
+    checks that depend on the devices."""
     n, optim = actor.num_workers, actor.optim
     if n < 1:
         raise ValueError(f"--actor.num_workers must be >= 1, got {n}")
@@ -100,7 +101,9 @@ def validate_actor_config(
         raise ValueError(f"--actor.optim.schedule {optim.schedule} needs --actor.optim.total_steps")
     if optim.total_steps is not None and optim.total_steps <= optim.warmup_steps:
         raise ValueError("--actor.optim.total_steps must exceed --actor.optim.warmup_steps")
-    on_gpu = bool(num_gpus_available)
+    if num_gpus_available is None:
+        return
+    on_gpu = num_gpus_available > 0
     if not on_gpu and max(fsdp.tp_size, fsdp.ep_size) > 1:
         raise ValueError(
             "--fsdp.tp_size / --fsdp.ep_size > 1 need GPUs: AutoModel's tensor and expert "

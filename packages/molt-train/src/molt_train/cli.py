@@ -30,6 +30,10 @@ QUICKSTART = [
     "--rollout.max_tokens", "1",
     "--rollout.groups_per_batch", "16",
     "--rollout.n_samples_per_prompt", "8",
+    # One-step off-policy: every trained token is at most one version old however fast the
+    # machine is (one batch generated ahead lets a slow trainer see two-version-old batches,
+    # which learned this task visibly slower on a loaded CI machine).
+    "--train.async_queue_size", "0",
     "--train.num_steps", "40",
     "--eval.every_steps", "10",
     "--vllm.dtype", "float32",  # the tiny model is fp32; vLLM's "auto" would downcast it

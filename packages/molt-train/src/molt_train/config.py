@@ -24,9 +24,17 @@ from molt_algos import (
     validate_is_config,
     validate_loss_config,
 )
-from molt_rollout import ChatRunner, RefitConfig, RouterConfig, RunnerConfig, VLLMConfig, load_agent
+from molt_rollout import (
+    ChatRunner,
+    RefitConfig,
+    RouterConfig,
+    RunnerConfig,
+    VLLMConfig,
+    load_agent,
+    validate_rollout_config,
+)
 from molt_rollout.data import DataConfig, validate_data_config
-from molt_rollout.eval import EvalConfig
+from molt_rollout.eval import EvalConfig, validate_eval_config
 from molt_rollout.pool import PoolConfig, validate_pool_config
 from molt_rollout.runners import RunnersConfig
 from molt_train.actor import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
@@ -208,7 +216,8 @@ def pool_config(cfg: RunConfig) -> PoolConfig:
 
 def may_train_stale_tokens(cfg: RunConfig) -> bool:
     """Whether a trained token can come from older weights than the ones being trained."""
-    return not cfg.train.force_on_policy or cfg.train.epochs_per_batch > 1
+    train = cfg.train
+    return not train.force_on_policy or train.epochs_per_batch > 1 or train.mini_batches > 1
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ def may_train_stale_tokens(cfg: RunConfig) -> bool:
 
 def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None:
     """Raise ValueError naming the flags of any combination that cannot work. `cluster_gpus`:
-    GPUs the Ray cluster has (None on CPU runs)."""
+    GPUs the Ray cluster has (0 on CPU); None before Ray starts defers the device checks."""
     algo, adv, train, rollout = cfg.algo, cfg.algo.advantage, cfg.train, cfg.rollout
 
     if adv.estimator not in ADVANTAGE_ESTIMATORS:
@@ -256,10 +265,11 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
             "add --ref.enable --ref.model_path TEACHER"
         )
 
-    if train.force_on_policy and train.epochs_per_batch > 1:
+    if train.force_on_policy and (train.epochs_per_batch > 1 or train.mini_batches > 1):
         raise ValueError(
-            "--train.force_on_policy with --train.epochs_per_batch > 1: after the first epoch "
-            "the batch is no longer on-policy; use one epoch or drop --train.force_on_policy"
+            "--train.force_on_policy with --train.epochs_per_batch > 1 or --train.mini_batches "
+            "> 1: after the batch's first optimizer step its tokens are no longer on-policy; "
+            "use one epoch and one mini-batch, or drop --train.force_on_policy"
         )
     if may_train_stale_tokens(cfg) and adv.is_correction_level == "off":
         raise ValueError(
@@ -298,14 +308,16 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
         gpus_wanted += cfg.ref.num_workers
     if adv.estimator == "gae":
         gpus_wanted += cfg.critic.num_workers
-    if cluster_gpus is not None and gpus_wanted > cluster_gpus:
+    if cluster_gpus and gpus_wanted > cluster_gpus:
         raise ValueError(
             f"the run asks for {gpus_wanted} GPUs (--actor.num_workers, --vllm.num_engines x "
             f"--vllm.tensor_parallel_size x --vllm.data_parallel_size, --ref.num_workers, "
             f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
         )
     validate_actor_config(cfg.actor, cfg.fsdp, cluster_gpus)
+    validate_rollout_config(cfg.vllm, cfg.router, cfg.refit)
     validate_data_config(cfg.data)
+    validate_eval_config(cfg.eval)
     validate_logger_config(cfg.logger)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import ray
 
 from molt_algos import kl_controller
-from molt_rollout.data import PromptSource, load_rows
-from molt_rollout.eval import eval_metrics, run_eval
+from molt_rollout.data import PromptSource, load_eval_rows
+from molt_rollout.eval import eval_metrics, eval_runner_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
 from molt_rollout.runners import RunnerGroup
 from molt_rollout.service import RolloutService
@@ -45,18 +45,21 @@ def train(cfg: RunConfig) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics."""
     validate_agent(cfg)  # a broken agent module fails here, in the driver, by name
     start_ray(cfg)
-    on_gpu = bool(ray.cluster_resources().get("GPU", 0))
-    validate_run_config(cfg, int(ray.cluster_resources().get("GPU", 0)) if on_gpu else None)
-    run_dir = prepare_run_dir(cfg)
+    cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
+    validate_run_config(cfg, cluster_gpus)  # the device checks, now that the cluster is known
+    on_gpu = cluster_gpus > 0
     model = cfg.actor.model_path or str(build_tiny_model())
-    cfg.actor.model_path = model
+    cfg.actor.model_path = model  # the resolved config names the model that trained
+    run_dir = prepare_run_dir(cfg)
+    source = PromptSource.from_config(cfg.data)  # a bad data file fails before engines start
+    eval_rows = load_eval_rows(cfg.data)
 
     # ---- generation: engines, router, agent runners, the streaming pool --------------------
     rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
                                    str(run_dir / "logs"), on_gpu, with_refitter=False)  # fmt: skip
     runners = RunnerGroup(runners_config(cfg), cfg.train.agent_path, model, rollout.router.url,
-                          runner_config(cfg), cfg.vllm.request_timeout_s, cfg.vllm.max_retries)  # fmt: skip
-    source = PromptSource.from_config(cfg.data)
+                          runner_config(cfg), cfg.vllm.request_timeout_s, cfg.vllm.max_retries,
+                          eval_runner=eval_runner_config(runner_config(cfg), cfg.eval))  # fmt: skip
     group_filter = keep_informative_group if cfg.algo.dynamic_filtering_enable else None
     pool = RolloutPool(source, runners.launch, pool_config(cfg), group_filter)
 
@@ -91,7 +94,6 @@ def train(cfg: RunConfig) -> dict[str, float]:
         policy.set_engine_version(version)
 
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
-    eval_rows = [row for f in cfg.data.eval_files for row in load_rows(f)]
     tokenizer = _tokenizer(model)
     pause_mode = "keep" if cfg.train.partial_rollout_enable else "wait"
     metrics: dict[str, float] = {}
