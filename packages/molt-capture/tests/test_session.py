@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from molt_capture import CaptureError, ChatRenderer, ChatRequest, Session, SessionConfig
 from molt_capture.testing import (
+    routing_row,
     QWEN3_STYLE_TEMPLATE,
     FakeGenerator,
     assert_token_exact,
@@ -230,11 +231,16 @@ def test_routing_rows_align_with_tokens(tokenizer, renderer):
     r1 = turn(s, renderer, gen, [USER])
     turn(s, renderer, gen, [USER, echo(r1), {"role": "user", "content": "?"}])
     seg = s.current
-    assert len(seg.routed_experts) == len(seg)
-    for span, call in zip(seg.turns, gen.calls, strict=True):
-        assert seg.routed_experts[span.start : span.end] == call.generation.routed_experts
-    assert all(
-        row is None for row, m in zip(seg.routed_experts, seg.trainable, strict=True) if not m
+    # Every position the engine ran has the engine's row for it; the last sampled token and the
+    # template's closing tokens after it were never run. The second turn asked only for the
+    # rows the first left out.
+    last = seg.turns[-1].end - 1
+    assert seg.routed_experts[:last] == [routing_row(p) for p in range(last)]
+    assert seg.routed_experts[last:] == [None] * (len(seg) - last)
+    first, second = gen.calls
+    assert first.params.routing_start == 0
+    assert second.params.routing_start == first.generation.routing_start + len(
+        first.generation.routed_experts
     )
 
 

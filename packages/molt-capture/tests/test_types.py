@@ -9,8 +9,9 @@ from molt_capture import Generation, Rollout, Segment
 def _segment() -> Segment:
     seg = Segment(temperature=0.7)
     seg.append_context([1, 2, 3])
+    # Rows from position 1: prompt positions 1 and 2, then the first sampled token (4).
     seg.append_generation(
-        Generation([4, 5], [-0.1, -0.2], "stop", [7, 7], [[[1, 2]], [[3, 4]]]), 16
+        Generation([4, 5], [-0.1, -0.2], "stop", [7, 7], [[[1, 2]], [[3, 4]], [[5, 6]]], 1), 16
     )
     seg.append_context([6])
     return seg
@@ -22,7 +23,9 @@ def test_segment_alignment():
     assert seg.trainable == [0, 0, 0, 1, 1, 0]
     assert seg.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0]
     assert seg.weight_versions == [-1, -1, -1, 7, 7, -1]
-    assert seg.routed_experts == [None, None, None, [[1, 2]], [[3, 4]], None]
+    # Position 0 was not reported, the last sampled token (5) and the context after it not run.
+    assert seg.routed_experts == [None, [[1, 2]], [[3, 4]], [[5, 6]], None, None]
+    assert seg.routing_known == 0
     assert seg.num_generated == 2 and seg.turns[0].start == 3 and seg.turns[0].end == 5
 
 
@@ -40,4 +43,20 @@ def test_misaligned_generation_is_refused():
     with pytest.raises(ValueError, match="misaligned"):
         Generation([1, 2], [-0.1], "stop", [0, 0])
     with pytest.raises(ValueError, match="routing"):
-        Generation([1], [-0.1], "stop", [0], routed_experts=[])
+        Generation([1, 2, 3], [-0.1] * 3, "stop", [0] * 3, routed_experts=[[[0]]])
+    seg = Segment()
+    seg.append_context([1, 2])
+    with pytest.raises(ValueError, match="routing rows from position 0 for a 2-token prompt"):
+        seg.append_generation(Generation([3], [-0.1], "stop", [0], routed_experts=[[[0]]]), 4)
+
+
+def test_routing_rows_accumulate_across_turns():
+    """Each request reports rows from where the segment's known rows end: the previous turn's
+    last sampled token and the context after it come with the next turn's prefill."""
+    seg = Segment()
+    seg.append_context([1, 2])
+    seg.append_generation(Generation([3, 4], [-0.1] * 2, "stop", [0] * 2, [[[0]], [[1]], [[2]]]), 4)
+    assert seg.routed_experts == [[[0]], [[1]], [[2]], None] and seg.routing_known == 3
+    seg.append_context([5])
+    seg.append_generation(Generation([6], [-0.1], "stop", [1], [[[3]], [[4]]], 3), 4)
+    assert seg.routed_experts == [[[0]], [[1]], [[2]], [[3]], [[4]], None]

@@ -99,20 +99,23 @@ def test_parse_empty_generation():
 
 
 def test_parse_keeps_routed_experts_rows_and_drops_empty():
-    rows = [[[i % 8, (i + 1) % 8], [i % 4, 7]] for i in range(5)]
+    rows = [[[i % 8, (i + 1) % 8], [i % 4, 7]] for i in range(4)]  # 5 tokens: 4 were run
     assert parse_generation(vllm_reply(routed_experts=rows)).routed_experts == rows
     assert parse_generation(vllm_reply(routed_experts=[])).routed_experts is None
+    with pytest.raises(GenerationError, match="5 routed-expert rows from position 0"):
+        parse_generation(vllm_reply(routed_experts=rows + rows[:1]))
 
 
 def test_parse_routed_experts_in_vllm_wire_format():
     np = pytest.importorskip("numpy")
-    routing = np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2) % 8  # 5 tokens -> 4 rows
+    # A 6-token prompt of which the caller holds the routing of 4: rows for prompt positions
+    # 4 and 5, then the first 4 of the 5 sampled tokens.
+    routing = np.arange(6 * 2 * 2, dtype=np.uint8).reshape(6, 2, 2) % 8
     with io.BytesIO() as buffer:
         np.save(buffer, routing, allow_pickle=False)
         encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
-    gen = parse_generation(vllm_reply(routed_experts=encoded))
-    assert gen.routed_experts is not None and len(gen.routed_experts) == 5
-    assert gen.routed_experts[:4] == routing.tolist()
+    gen = parse_generation(vllm_reply(routed_experts=encoded), prompt_len=6, routing_start=4)
+    assert gen.routed_experts == routing.tolist() and gen.routing_start == 4
 
 
 @pytest.mark.parametrize(

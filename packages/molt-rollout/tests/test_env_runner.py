@@ -14,6 +14,7 @@ from molt_capture.testing import (
     FakeGenerator,
     assert_token_exact,
     build_tiny_tokenizer,
+    routing_row,
     tool_call_text,
 )
 from molt_capture.types import PROMPT_VERSION
@@ -122,6 +123,17 @@ def test_multi_turn_tool_observations_are_masked_context(tokenizer):
         "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_routing_rows_cover_every_position_the_engine_ran(tokenizer):
+    runner, gen = make_runner(tokenizer, Calculator, [CALL, "The answer is 3."])
+    gen.routing = True
+    (seg,) = run(runner).segments
+    last = seg.turns[-1].end - 1  # the last sampled token: never run through the model
+    assert seg.routed_experts == [routing_row(p) for p in range(last)] + [None] * (len(seg) - last)
+    # The second turn asked only for what the first did not report: its last sampled token
+    # and the observation after it.
+    assert [c.params.routing_start for c in gen.calls] == [0, seg.turns[0].end - 1]
 
 
 def test_env_state_follows_the_conversation(tokenizer):

@@ -143,7 +143,10 @@ class Session:
         prompt_ids = (cur.token_ids if extend else []) + context_ids
         room = cfg.max_len - len(prompt_ids)
         want = req.max_tokens or cfg.max_tokens or room
-        params = SamplingParams(max(0, min(want, room)), temperature, top_p, list(req.stop))
+        routing_start = cur.routing_known if extend and cur is not None else 0
+        params = SamplingParams(
+            max(0, min(want, room)), temperature, top_p, list(req.stop), routing_start
+        )
         return _Plan(extend, context_ids, prompt_ids, text, params, room)
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer, text: str) -> str | None:

@@ -218,10 +218,19 @@ class FakeGenerator:
             logprobs=[-c / 1024 for c in counters],
             finish_reason=finish,
             weight_versions=list(counters),
-            routed_experts=[[[c % 8, (c + 3) % 8]] for c in counters] if self.routing else None,
+            routed_experts=[routing_row(p) for p in range(params.routing_start,
+                                                          len(token_ids) + len(ids) - 1)]
+            if self.routing
+            else None,
+            routing_start=params.routing_start,
             stop_reason=stop_reason,
         )
         return call.generation
+
+
+def routing_row(position: int) -> list[list[int]]:
+    """The fake engine's routed experts at a sequence position: one layer, top-2 of 8."""
+    return [[position % 8, (position + 3) % 8]]
 
 
 def _encode_plain(tokenizer, text: str) -> list[int]:

@@ -1,8 +1,10 @@
 """The records every later package exchanges: a generation, a token-exact segment, a rollout.
 
 Plain dataclasses of lists, ints, floats and strings: they pickle (Ray) and round-trip through
-JSON with `to_dict`/`from_dict`. Prompt (non-generated) tokens carry log-prob 0.0, weight version
--1 and no routing row, so every per-token list is aligned 1:1 with `token_ids`.
+JSON with `to_dict`/`from_dict`. Prompt (non-generated) tokens carry log-prob 0.0 and weight
+version -1, so every per-token list is aligned 1:1 with `token_ids`. Routed experts (MoE routing
+replay) are a row per position the engine ran, prompt and context included; a segment's last
+sampled token has none until a later turn's prefill runs it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
+    # Prompt positions whose routed experts the caller already holds: the engine reports rows
+    # from this position on (ignored when it reports no routing).
+    routing_start: int = 0
 
 
 @dataclass
@@ -34,7 +39,10 @@ class Generation:
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
     weight_versions: list[int]
+    # A row per position the engine ran from the request's `routing_start` on: the rest of the
+    # prompt and every sampled token but the last (never run), in sequence order.
     routed_experts: list[RoutingRow] | None = None
+    routing_start: int = 0
     # The stop string (or stop token id) that ended generation, when one did (vLLM's stop_reason).
     stop_reason: str | int | None = None
 
@@ -45,8 +53,11 @@ class Generation:
                 f"Generation lists are misaligned: {n} ids, {len(self.logprobs)} logprobs, "
                 f"{len(self.weight_versions)} weight versions"
             )
-        if self.routed_experts is not None and len(self.routed_experts) != n:
-            raise ValueError(f"Generation has {n} ids but {len(self.routed_experts)} routing rows")
+        if self.routed_experts is not None and len(self.routed_experts) < n - 1:
+            raise ValueError(
+                f"Generation has {n} ids but {len(self.routed_experts)} routing rows: every "
+                "sampled token but the last was run"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +85,9 @@ class Segment:
     trainable: list[int] = field(default_factory=list)  # 1 for generated tokens, else 0
     logprobs: list[float] = field(default_factory=list)  # as sampled; 0.0 where not generated
     weight_versions: list[int] = field(default_factory=list)  # PROMPT_VERSION where not generated
-    routed_experts: list[RoutingRow | None] | None = None  # None rows where not generated
+    # Per position, the experts the engine routed it to; None where the engine has not run it
+    # (yet). None as a whole: the engine reports no routing.
+    routed_experts: list[RoutingRow | None] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     truncated: bool = False  # the context filled up: the episode was cut, not finished
@@ -93,16 +106,30 @@ class Segment:
             self.routed_experts += [None] * len(ids)
 
     def append_generation(self, gen: Generation, max_tokens: int) -> None:
+        """The engine's answer to exactly this segment's tokens as the prompt."""
         start = len(self.token_ids)
-        if gen.routed_experts is not None and self.routed_experts is None:
-            self.routed_experts = [None] * start
         self.token_ids += gen.token_ids
         self.trainable += [1] * len(gen.token_ids)
         self.logprobs += gen.logprobs
         self.weight_versions += gen.weight_versions
-        if self.routed_experts is not None:
-            self.routed_experts += gen.routed_experts or [None] * len(gen.token_ids)
+        if gen.routed_experts is not None:
+            known = (self.routed_experts or [None] * start)[: gen.routing_start]
+            rows = known + gen.routed_experts + [None]  # the last sampled token: not run yet
+            if len(rows) != len(self.token_ids):
+                raise ValueError(
+                    f"{len(gen.routed_experts)} routing rows from position {gen.routing_start} "
+                    f"for a {start}-token prompt and {len(gen.token_ids)} sampled tokens"
+                )
+            self.routed_experts = rows
+        elif self.routed_experts is not None:
+            self.routed_experts += [None] * len(gen.token_ids)
         self.turns.append(TurnSpan(start, len(self.token_ids), max_tokens, gen.finish_reason))
+
+    @property
+    def routing_known(self) -> int:
+        """How many leading positions have routing rows: the next request's `routing_start`."""
+        rows = self.routed_experts or []
+        return next((i for i, row in enumerate(rows) if row is None), len(rows))
 
     @property
     def num_generated(self) -> int:

@@ -36,7 +36,7 @@ def weight_version_number(version: str) -> int:
     return 0 if version == INITIAL_VERSION else int(version)
 
 
-def parse_generation(reply: dict, prompt_len: int = 0) -> Generation:
+def parse_generation(reply: dict, prompt_len: int = 0, routing_start: int = 0) -> Generation:
     """One vLLM generate reply -> Generation, checking every per-token list against the ids."""
     choice = reply["choices"][0]
     token_ids = list(choice["token_ids"])
@@ -60,28 +60,31 @@ def parse_generation(reply: dict, prompt_len: int = 0) -> Generation:
         logprobs=[float(e["logprob"]) for e in entries],
         finish_reason=choice.get("finish_reason") or "stop",
         weight_versions=versions,
-        routed_experts=parse_routed_experts(choice.get("routed_experts"), prompt_len, n),
+        routed_experts=parse_routed_experts(
+            choice.get("routed_experts"), prompt_len, n, routing_start
+        ),
+        routing_start=routing_start,
         stop_reason=choice.get("stop_reason"),
     )
 
 
-def parse_routed_experts(encoded: str | list | None, prompt_len: int, n: int) -> list | None:
+def parse_routed_experts(
+    encoded: str | list | None, prompt_len: int, n: int, routing_start: int = 0
+) -> list | None:
     """vLLM sends the experts each position was routed to as base64 `.npy` bytes, shape
-    [positions run through the model, layers, top_k]: the prompt and every generated token but
-    the last (sampled, never run). Returns one row per generated token; the last is None."""
+    [positions, layers, top_k], for every position it ran from `routing_start` on: the rest of
+    the prompt and every sampled token but the last (sampled, never run)."""
     if not encoded:
         return None
     if isinstance(encoded, list):  # already rows (e.g. a recorded reply)
         rows = encoded
     else:
         rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False).tolist()
-    if len(rows) == prompt_len + n - 1:
-        rows = rows[prompt_len:]
-    if len(rows) == n - 1:
-        rows = rows + [None]
-    if len(rows) != n:
+    expected = prompt_len - routing_start + n - 1
+    if len(rows) != expected:
         raise GenerationError(
-            f"{len(rows)} routed-expert rows for {prompt_len} prompt + {n} generated tokens"
+            f"{len(rows)} routed-expert rows from position {routing_start} for {prompt_len} "
+            f"prompt + {n} generated tokens (expected {expected})"
         )
     return rows
 
@@ -112,6 +115,8 @@ class TokenClient:
                 "stop": list(params.stop),
                 "logprobs": 0,  # the sampled token's own log-prob, no alternatives
                 "skip_special_tokens": False,
+                # Routed experts (when the engine returns them) only past what the caller has.
+                "routed_experts_prompt_start": params.routing_start,
             },
         }
         for _ in range(MAX_VERSION_RACES + 1):
@@ -120,7 +125,7 @@ class TokenClient:
             )
             body["cache_salt"] = f"molt-v{version}"
             reply = await self._request("POST", self.url, headers, body)
-            generation = parse_generation(reply, prompt_len=len(token_ids))
+            generation = parse_generation(reply, len(token_ids), params.routing_start)
             if not generation.weight_versions or generation.weight_versions[0] == version:
                 return generation
             self.version_races += 1

@@ -117,7 +117,8 @@ class EnvRunner:
                 seg.append_context(segments[-1].token_ids)
                 segments.append(seg)
             want = last.max_tokens or cfg.max_tokens or room
-            params = SamplingParams(min(want, room), temperature, cfg.top_p, list(last.stop or []))
+            params = SamplingParams(min(want, room), temperature, cfg.top_p,
+                                    list(last.stop or []), seg.routing_known)  # fmt: skip
             gen = await self._generate(seg.token_ids, params, rollout_id, timings)
             prefix_len = len(seg)
             seg.append_generation(gen, params.max_tokens)
