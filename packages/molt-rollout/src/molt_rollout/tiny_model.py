@@ -23,31 +23,53 @@ TINY_SHAPE = dict(
 )
 
 
+# The mixture-of-experts variant (Qwen3-MoE): every layer routes to 2 of 4 experts, for routing
+# replay on CPU. Its own build: the default model stays what the quickstart was tuned on.
+TINY_MOE_SHAPE = dict(
+    TINY_SHAPE,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
 
-def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
-    """Write (once) the tiny model and tokenizer to `path` and return it."""
+def build_tiny_model(path: str | Path | None = None, seed: int = 0, moe: bool = False) -> Path:
+    """Write (once) the tiny model (`moe`: its Qwen3-MoE variant) and tokenizer to `path`."""
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
-    path = Path(path) if path is not None else default_cache_dir() / "tiny-qwen3"
+    name = "tiny-qwen3-moe" if moe else "tiny-qwen3"
+    path = Path(path) if path is not None else default_cache_dir() / name
     marker = path / "molt_tiny_model_version"
     if marker.exists() and marker.read_text() == f"{_BUILD_VERSION}-{seed}":
         return path
     build_tiny_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    config = Qwen3Config(
+    config_class, model_class = (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    )
+    config = config_class(
         vocab_size=len(tokenizer),
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        **TINY_SHAPE,
+        **(TINY_MOE_SHAPE if moe else TINY_SHAPE),
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     model.save_pretrained(str(path))
     marker.write_text(f"{_BUILD_VERSION}-{seed}")
     return path

@@ -136,15 +136,22 @@ class ActorGroup:
     """Driver-side handle of one role's workers (policy, reference or critic)."""
 
     def __init__(
-        self, cfg: ActorConfig, fsdp: FSDPConfig, role: str = "policy", on_gpu: bool | None = None
+        self,
+        cfg: ActorConfig,
+        fsdp: FSDPConfig,
+        role: str = "policy",
+        on_gpu: bool | None = None,
+        routing_replay: bool = False,
     ) -> None:
+        """`routing_replay`: forwards take each token's MoE routing from its Sample
+        (--train.routing_replay, molt_train.routing)."""
         import ray
 
         if role not in ROLES:
             raise ValueError(f"role {role!r}: choose one of {ROLES}")
         gpus = int(ray.cluster_resources().get("GPU", 0))
         on_gpu = gpus > 0 if on_gpu is None else on_gpu
-        validate_actor_config(cfg, fsdp, gpus if on_gpu else None)
+        validate_actor_config(cfg, fsdp, gpus if on_gpu else 0)
         self.cfg, self.fsdp, self.role, self.on_gpu = cfg, fsdp, role, on_gpu
         n = cfg.num_workers
         self.dp_size = n // fsdp.tp_size
@@ -178,7 +185,7 @@ class ActorGroup:
 
         remote = ray.remote(PolicyWorker)
         self.workers = [
-            remote.options(**options[rank]).remote(cfg, fsdp, role, rank, n, on_gpu)
+            remote.options(**options[rank]).remote(cfg, fsdp, role, rank, n, on_gpu, routing_replay)
             for rank in range(n)
         ]
         address, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=600)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from molt_algos import (
@@ -18,11 +19,12 @@ from molt_algos import (
     importance_correction,
     kl_estimate,
 )
-from molt_capture.types import Rollout
+from molt_capture.types import Rollout, Segment
 from molt_rollout.pool import Batch
 from molt_train.actor import ActorGroup
 from molt_train.config import AlgoConfig
 from molt_train.packing import Sample
+from molt_train.routing import routing_array
 
 
 @dataclass
@@ -40,6 +42,15 @@ def _padded(rows: list[list[float]], length: int, dtype=torch.float32) -> torch.
     return out
 
 
+def _routing(segment: Segment) -> np.ndarray:
+    if segment.routed_experts is None:
+        raise ValueError(
+            "--train.routing_replay: a rollout segment carries no routed experts (does the "
+            "engine run with --vllm.enable_return_routed_experts, and is the model MoE?)"
+        )
+    return routing_array(segment.routed_experts)
+
+
 def make_experience(
     batch: Batch,
     version: int,
@@ -48,13 +59,16 @@ def make_experience(
     kl_coef: float,
     reference: ActorGroup | None = None,
     critic: ActorGroup | None = None,
+    routing_replay: bool = False,
 ) -> Experience:
     """Samples with advantages, old log-probs and IS weights for one training batch, trained
-    at weight `version`. `kl_coef`: the current coefficient of KL in the reward."""
+    at weight `version`. `kl_coef`: the current coefficient of KL in the reward.
+    `routing_replay`: the policy's forwards replay each segment's recorded MoE routing."""
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
     samples = [
-        Sample(token_ids=s.token_ids, loss_mask=s.trainable, temperature=s.temperature)
+        Sample(token_ids=s.token_ids, loss_mask=s.trainable, temperature=s.temperature,
+               routed_experts=_routing(s) if routing_replay else None)  # fmt: skip
         for _, s in segments
     ]
     lengths = [len(s.token_ids) for s in samples]

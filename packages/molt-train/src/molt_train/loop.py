@@ -64,7 +64,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     pool = RolloutPool(source, runners.launch, pool_config(cfg), group_filter)
 
     # ---- training: the policy, its refit link to the engines, reference and critic ---------
-    policy = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
+    policy = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit)
     actors = {"policy": policy}
     reference = critic = None
@@ -104,9 +104,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
             batch = pool.next_batch(version)
             t_generated = time.perf_counter()
 
-            experience = make_experience(
-                batch, version, policy, cfg.algo, kl_ctl.coef, reference, critic
-            )
+            experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
+                                         reference, critic, cfg.train.routing_replay)  # fmt: skip
             t_experience = time.perf_counter()
             train_metrics = train_on(
                 experience.samples, experience.sample_groups, policy, critic, cfg

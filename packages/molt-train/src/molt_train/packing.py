@@ -25,8 +25,11 @@ layout directly.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from molt_train.routing import microbatch_routing
 
 # Sample fields carried per token into the loss, besides loss_mask.
 TOKEN_FIELDS = ("advantages", "old_logprobs", "weights", "ref_logprobs", "returns", "old_values")
@@ -45,6 +48,9 @@ class Sample:
     ref_logprobs: list[float] | None = None  # for a KL loss
     returns: list[float] | None = None  # critic targets (GAE); value model only
     old_values: list[float] | None = None
+    # [tokens, layers, top_k] experts the engine routed each token to, -1 where it reported
+    # none (--train.routing_replay; molt_train.routing)
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -56,6 +62,8 @@ class Sample:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries for {n} tokens")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} rows for {n} tokens")
         if self.loss_mask[0]:
             raise ValueError("loss_mask[0] is 1, but the first token has no context to predict it")
         if not self.temperature > 0:
@@ -147,6 +155,7 @@ class PackedBatch:
     temperature: float
     lengths: list[int]
     fields: dict[str, Tensor | None]  # TOKEN_FIELDS as [S, L] float32; None where absent
+    routing: Tensor | None = None  # [layers, input_ids.numel(), top_k] experts to replay
 
     @property
     def num_sequences(self) -> int:
@@ -201,6 +210,13 @@ def pack(
             raise ValueError(f"{name} is set on some samples of a batch but not on others")
         else:
             fields_[name] = None
+    routing = None
+    present = [s.routed_experts is not None for s in samples]
+    if all(present):
+        arrays = [s.routed_experts for s in samples]
+        routing = microbatch_routing(arrays, width if padded else None).to(device)
+    elif any(present):
+        raise ValueError("routed_experts is set on some samples of a batch but not on others")
     return PackedBatch(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
@@ -210,6 +226,7 @@ def pack(
         temperature=temperatures.pop(),
         lengths=lengths,
         fields=fields_,
+        routing=routing,
     )
 
 

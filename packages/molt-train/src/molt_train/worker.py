@@ -40,6 +40,7 @@ from molt_train.checkpoint import (
     write_hf_checkpoint,
 )
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack, shift_right
+from molt_train.routing import install_replay_hooks, moe_routers, replaying
 
 
 def packed_token_stats(
@@ -128,8 +129,10 @@ class PolicyWorker:
         rank: int,
         world_size: int,
         on_gpu: bool,
+        routing_replay: bool = False,
     ) -> None:
         self.cfg, self.fsdp, self.role = cfg, fsdp, role
+        self.routing_replay = routing_replay  # molt_train.routing
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
         self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
         self.refitter = None
@@ -199,6 +202,14 @@ class PolicyWorker:
         # per-rank seed below is for everything after.
         torch.manual_seed(self.cfg.seed)
         self.model = self._build_model(model_path)
+        self.routers = moe_routers(self.model) if self.routing_replay else []
+        if self.routing_replay and not self.routers:
+            raise ValueError(
+                f"--train.routing_replay: {model_path} has no MoE router the trainer can replay "
+                "(AutoModel's native MoE classes on GPU; transformers' Qwen3-MoE, Qwen2-MoE and "
+                "Mixtral routers on CPU)"
+            )
+        install_replay_hooks(self.routers)
         self.padded = not packs_sequences(self.model)
         # AutoModel leaves a world of one unsharded, so FSDP's mixed-precision cast never
         # happens there: autocast to the compute dtype instead (fp32 master weights either way).
@@ -238,6 +249,8 @@ class PolicyWorker:
             from nemo_automodel.components.utils.model_utils import FreezeConfig, ModuleSelector
 
             extra = {}
+            if self.routing_replay:  # each native gate gets a RouterReplay handle
+                extra["moe_overrides"] = {"enable_routing_replay": True}
             if self.cfg.freeze_moe_router:  # applied before sharding, like below
                 router = ModuleSelector(glob="*" + ROUTER_MARKER.rstrip("."))
                 extra["freeze_config"] = FreezeConfig(freeze_modules=[router])
@@ -299,7 +312,8 @@ class PolicyWorker:
         results = []
         for samples in microbatches:
             batch = self._batch(samples)
-            rows, _ = self._token_stats(batch, with_entropy=False)
+            with replaying(self.routers, batch.routing):
+                rows, _ = self._token_stats(batch, with_entropy=False)
             results.append(batch.to_lists(rows) if samples else [])
         self._reshard()
         return results
@@ -352,13 +366,16 @@ class PolicyWorker:
             if i == len(microbatches) - 1:
                 prepare_for_final_backward([self.model])
             batch = self._batch(samples)
-            if self.role == "critic":
-                loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
-            else:
-                loss, stats, per_token = self._policy_loss(
-                    batch, reduce, loss_name, loss_cfg, kl_loss_coef, kl_estimator, entropy_coef
-                )
-            loss.backward()
+            # Backward too: activation checkpointing reruns the forward there.
+            with replaying(self.routers, batch.routing):
+                if self.role == "critic":
+                    loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
+                else:
+                    loss, stats, per_token = self._policy_loss(
+                        batch, reduce, loss_name, loss_cfg, kl_loss_coef, kl_estimator,
+                        entropy_coef,
+                    )  # fmt: skip
+                loss.backward()
             tokens = int(batch.loss_mask.sum())
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value

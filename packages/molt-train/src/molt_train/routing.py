@@ -1,0 +1,125 @@
+"""MoE routing replay (`--train.routing_replay`): the trainer routes each token to the experts
+the engine routed it to when the token was sampled.
+
+The engine and the trainer compute a router's top-k independently, and small numerical
+differences flip some choices; a flipped token goes through other experts in the trainer than
+when it was sampled, so its recomputed log-probability no longer describes the policy that
+sampled it. Replay takes each MoE layer's top-k *selection* from the rollout's recorded routing
+(`Segment.routed_experts`); the routing *weights* are still the trainer router's own
+probabilities at those experts, so the router keeps its gradient.
+
+Routing arrives per packed microbatch as one [layers, tokens, top_k] tensor (layers indexed
+like the model's decoder layers, as vLLM reports them; tokens in the microbatch's flattened
+order). Two router families take it: AutoModel's native MoE gates (GPU) replay through their
+own `RouterReplay` handle (the model is built with `enable_routing_replay`), and the softmax
+top-k routers of transformers' MoE classes (CPU) through a forward hook that swaps the
+selection and re-gathers the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# transformers routers whose forward is softmax -> top-k -> optional renormalisation and that
+# return (logits, top-k weights, top-k indices); the hook below reproduces exactly that
+# (tests/test_routing.py checks that replaying a router's own choice changes nothing).
+HF_SOFTMAX_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder layer index, router) for every router the trainer can replay, in layer order."""
+    routers = []
+    for name, module in model.named_modules():
+        native = getattr(module, "router_replay", None) is not None  # AutoModel's Gate
+        if native or type(module).__name__ in HF_SOFTMAX_ROUTERS:
+            match = _LAYER.search(name)
+            if match is None:
+                raise ValueError(f"router {name} sits in no numbered decoder layer")
+            routers.append((int(match.group(1)), module))
+    return routers
+
+
+def _replay_hook(router: torch.nn.Module, inputs, output):
+    target = getattr(router, "_molt_replay", None)
+    if target is None:
+        return output
+    logits, weights, indices = output
+    if target.shape != indices.shape:
+        raise ValueError(
+            f"routing replay: {tuple(target.shape)} recorded choices for a "
+            f"{tuple(indices.shape)} selection (tokens x top_k)"
+        )
+    chosen = torch.softmax(logits.float(), dim=-1).gather(1, target)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return logits, chosen.to(weights.dtype), target
+
+
+def install_replay_hooks(routers: list[tuple[int, torch.nn.Module]]) -> None:
+    """Once per model: transformers routers replay whatever `replaying` hands them."""
+    for _, router in routers:
+        if getattr(router, "router_replay", None) is None:
+            router._molt_replay = None
+            router.register_forward_hook(_replay_hook)
+
+
+@contextlib.contextmanager
+def replaying(routers: list[tuple[int, torch.nn.Module]], routing: Tensor | None) -> Iterator[None]:
+    """Every router takes its layer's recorded choices for the forward passes (and the
+    activation-checkpointing recomputations in backward) inside the block."""
+    if routing is None:
+        yield
+        return
+    from nemo_automodel.components.moe.router_replay import RouterReplayMode
+
+    for layer, router in routers:
+        if layer >= routing.shape[0]:
+            raise ValueError(f"routing replay: no recorded routing for decoder layer {layer}")
+        native = getattr(router, "router_replay", None)
+        if native is not None:
+            native.set_target(routing[layer])
+            native.mode = RouterReplayMode.REPLAY
+        else:
+            router._molt_replay = routing[layer]
+    try:
+        yield
+    finally:
+        for _, router in routers:
+            native = getattr(router, "router_replay", None)
+            if native is not None:
+                native.clear()
+                native.mode = None
+            else:
+                router._molt_replay = None
+
+
+def routing_array(rows: list) -> np.ndarray:
+    """A segment's routed experts as a [tokens, layers, top_k] int16 array, -1 where the engine
+    has no row (its last sampled token, which it never ran)."""
+    known = next((row for row in rows if row is not None), None)
+    if known is None:
+        raise ValueError("routing replay: the segment has no routed experts")
+    out = np.full((len(rows), len(known), len(known[0])), -1, dtype=np.int16)
+    for t, row in enumerate(rows):
+        if row is not None:
+            out[t] = row
+    return out
+
+
+def microbatch_routing(arrays: list[np.ndarray], width: int | None) -> Tensor:
+    """Per-sample routing arrays -> the [layers, tokens, top_k] tensor of their microbatch:
+    concatenated (packed), or each padded to `width` tokens (padded rows). Positions without a
+    row, and padding, route to experts 0..k-1: their outputs reach no trained log-prob (causal
+    attention, and a sequence's last position predicts nothing that is trained)."""
+    if width is not None:
+        arrays = [np.pad(a, ((0, width - len(a)), (0, 0), (0, 0)), constant_values=-1) for a in arrays]
+    routing = torch.from_numpy(np.concatenate(arrays)).long()
+    fill = torch.arange(routing.shape[-1]).expand_as(routing)
+    return torch.where(routing < 0, fill, routing).permute(1, 0, 2).contiguous()
