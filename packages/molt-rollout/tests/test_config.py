@@ -45,6 +45,14 @@ def test_edges_that_are_valid():
     # Routing capture alone, and speculative decoding alone, are both fine.
     validate(VLLMConfig(enable_return_routed_experts=True))
     validate(VLLMConfig(enable_return_routed_experts=True, mtp_num_speculative_tokens=0))
+    validate_rollout_config(VLLMConfig(enable_return_routed_experts=True), RouterConfig(),
+                            RefitConfig(), on_gpu=True)  # fmt: skip
+
+
+def test_routed_experts_need_gpu_engines():
+    with pytest.raises(ValueError, match="--vllm.enable_return_routed_experts needs GPU engines"):
+        validate_rollout_config(VLLMConfig(enable_return_routed_experts=True), RouterConfig(),
+                                RefitConfig(), on_gpu=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(

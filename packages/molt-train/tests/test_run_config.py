@@ -40,6 +40,11 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--vllm.enable_return_routed_experts", "True", "--vllm.mtp_num_speculative_tokens", "2"],
          ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"]),
         (["--eval.n_samples", "0"], ["--eval.n_samples"]),
+        (["--train.routing_replay", "True"],
+         ["--train.routing_replay", "--vllm.enable_return_routed_experts"]),
+        (["--train.routing_replay", "True", "--vllm.enable_return_routed_experts", "True",
+          "--vllm.mtp_num_speculative_tokens", "2"],
+         ["--train.routing_replay", "--vllm.mtp_num_speculative_tokens"]),
         (["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
          ["--rollout.groups_per_batch", "--train.mini_batches"]),
         (["--algo.kl.loss_coef", "0.1"], ["--ref.enable"]),
@@ -67,6 +72,14 @@ def test_more_gpus_than_the_cluster_has():
     cfg = _cfg(["--actor.num_workers", "4", "--vllm.num_engines", "4"])
     with pytest.raises(ValueError, match="asks for 8 GPUs.*has 2"):
         validate_run_config(cfg, cluster_gpus=2)
+
+
+def test_routing_replay_needs_gpu_engines():
+    cfg = _cfg(["--train.routing_replay", "True", "--vllm.enable_return_routed_experts", "True"])
+    validate_run_config(cfg)  # devices unknown yet
+    validate_run_config(cfg, cluster_gpus=8)
+    with pytest.raises(ValueError, match="--vllm.enable_return_routed_experts needs GPU"):
+        validate_run_config(cfg, cluster_gpus=0)
 
 
 def test_device_checks_wait_for_the_cluster():

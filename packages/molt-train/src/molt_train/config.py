@@ -327,7 +327,8 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
             f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
         )
     validate_actor_config(cfg.actor, cfg.fsdp, cluster_gpus)
-    validate_rollout_config(cfg.vllm, cfg.router, cfg.refit)
+    on_gpu = None if cluster_gpus is None else cluster_gpus > 0
+    validate_rollout_config(cfg.vllm, cfg.router, cfg.refit, on_gpu)
     validate_data_config(cfg.data)
     validate_eval_config(cfg.eval)
     validate_logger_config(cfg.logger)
