@@ -3,7 +3,9 @@
 Runs `molt_train.worker.PolicyWorker` under torchrun (one process per GPU, NCCL): AutoModel's
 model build with FSDP2 (bf16 compute, fp32 master weights), a packed-vs-separate log-prob check
 (packing must isolate sequences with the GPU attention kernels too), optimizer steps with
-throughput and peak memory, and the refit gather (every full tensor, bf16). Only torch,
+throughput and peak memory, the refit gather (every full tensor, bf16), and with
+`--routing-replay` (a MoE model) MoE routing replay: replaying the routers' own choice changes
+no log-prob, replaying other experts does, and a step trains under replay. Only torch,
 transformers and NeMo AutoModel are needed (no Ray, no vLLM):
 
     # a random Qwen3-1.7B-shaped model (no download), then 2 GPUs
@@ -15,11 +17,13 @@ Prints one JSON line of results from rank 0.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import time
 
+import numpy as np
 import torch
 
 
@@ -80,6 +84,55 @@ def random_samples(vocab: int, count: int, length: int, seed: int):
     return samples
 
 
+def own_routing(worker, sample) -> np.ndarray:
+    """[tokens, layers, top_k] the worker's routers pick for `sample` by themselves (-1 in
+    dense layers): AutoModel's gates record through their RouterReplay handle, transformers'
+    routers through a hook on their output."""
+    from nemo_automodel.components.moe.router_replay import RouterReplayMode
+
+    picked, hooks = {}, []
+    for layer, router in worker.routers:
+        if getattr(router, "router_replay", None) is not None:
+            router.router_replay.mode = RouterReplayMode.RECORD
+        else:
+            record = lambda m, i, out, layer=layer: picked.update({layer: out[2]})  # noqa: E731
+            hooks.append(router.register_forward_hook(record))
+    worker.forward_logprobs([[sample]])
+    for layer, router in worker.routers:
+        if getattr(router, "router_replay", None) is not None:
+            picked[layer] = router.router_replay.recorded_indices
+            router.router_replay.mode = None
+    for hook in hooks:
+        hook.remove()
+    n, top_k = len(sample.token_ids), next(iter(picked.values())).shape[-1]
+    routing = np.full((n, worker.model.config.num_hidden_layers, top_k), -1, dtype=np.int16)
+    for layer, indices in picked.items():
+        routing[:, layer] = indices[:n].cpu().numpy()
+    return routing
+
+
+def routing_replay_check(worker, vocab: int, experts: int) -> dict:
+    sample = random_samples(vocab, 1, 300, seed=3)[0]
+    plain = np.array(worker.forward_logprobs([[sample]])[0][0])
+    own = own_routing(worker, sample)
+    other = np.where(own >= 0, (own + 1) % experts, own).astype(np.int16)  # still distinct
+
+    def replayed(routing) -> np.ndarray:
+        with_routing = dataclasses.replace(sample, routed_experts=routing)
+        return np.array(worker.forward_logprobs([[with_routing]])[0][0])
+
+    from molt_algos import LossConfig
+
+    results = {
+        "replay_routers": len(worker.routers),
+        "replay_own_max_abs_diff": float(np.abs(replayed(own) - plain).max()),
+        "replay_other_max_abs_diff": float(np.abs(replayed(other) - plain).max()),
+    }
+    with_routing = dataclasses.replace(sample, routed_experts=own, old_logprobs=plain.tolist())
+    step = worker.train_step([[with_routing]], with_routing.num_trained, 1, "ppo", LossConfig())
+    return {**results, "replay_step_grad_norm": step["grad_norm"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="HF directory to train")
@@ -102,6 +155,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--freeze-moe-router", action="store_true")
+    parser.add_argument("--routing-replay", action="store_true", help="check MoE routing replay")
     parser.add_argument("--role", default="policy", choices=["policy", "critic"])
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: checks the script only")
     args = parser.parse_args()
@@ -130,9 +184,9 @@ def main() -> None:
     )
     fsdp = FSDPConfig(tp_size=args.tp, ep_size=args.ep, offload=args.offload)
     on_gpu = not args.cpu
-    gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else None
+    gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else 0
     validate_actor_config(cfg, fsdp, gpus)
-    worker = PolicyWorker(cfg, fsdp, args.role, rank, world, on_gpu=on_gpu)
+    worker = PolicyWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
 
     def sync() -> None:
         if on_gpu:
@@ -196,6 +250,10 @@ def main() -> None:
         results["refit_names_match_hf"] = shapes == expected
         if shapes != expected:
             results["refit_name_diff"] = sorted(set(shapes) ^ set(expected))[:8]
+    # 4. MoE routing replay.
+    if args.routing_replay:
+        experts = getattr(worker.model.config, "num_experts", None) or args.experts
+        results.update(routing_replay_check(worker, vocab, experts))
     if rank == 0:
         print(json.dumps(results))
     dist.barrier()
