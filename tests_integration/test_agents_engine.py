@@ -5,6 +5,7 @@ batches from the real pool, and checks the token trace: trained ids are exactly 
 ids, with log-probs and weight versions; prompt and observation tokens are masked.
 """
 
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,11 @@ def test_single_turn_env(runners_of):
             assert seg.token_ids[: seg.turns[0].start]  # the rendered prompt is there
 
 
+def test_the_rollouts_of_a_group_run_concurrently(runners_of):
+    [batch] = run_batches(runners_of("barrier_env.py"), ROWS, n=4)
+    assert [r.reward for g in batch.groups for r in g.rollouts] == [4.0] * 8
+
+
 def test_multi_turn_env_masks_observations(runners_of):
     [batch] = run_batches(runners_of("multi_turn_env.py"), ROWS)
     for group in batch.groups:
@@ -103,13 +109,13 @@ def test_openai_chat_agent_streaming_with_tools(runners_of):
             assert r.info["turns"] == 2
 
 
-def test_anthropic_chat_agent(runners_of):
+def test_anthropic_chat_agent_with_tools_and_streaming(runners_of):
     [batch] = run_batches(runners_of("anthropic_chat_agent.py"), ROWS)
     for group in batch.groups:
         assert not group.dropped, group.dropped
         for r in group.rollouts:
             check_trace(r)
-            assert len(r.segments) == 1 and len(r.segments[0].turns) == 1
+            assert sum(len(s.turns) for s in r.segments) == 2 and r.info["turns"] == 2
 
 
 def test_compacting_agent_opens_a_new_segment(runners_of):
@@ -120,9 +126,10 @@ def test_compacting_agent_opens_a_new_segment(runners_of):
             assert len(r.segments) == 2 and r.reward == 1.0
 
 
-def test_raising_agent_is_counted_and_skipped(runners_of):
+@pytest.mark.parametrize("agent", ["raising_agent.py", "raising_chat_agent.py"])
+def test_raising_agent_is_counted_and_skipped(runners_of, agent):
     rows = [dict(row, fail=i % 2 == 1) for i, row in enumerate(ROWS)]
-    [batch] = run_batches(runners_of("raising_agent.py"), rows)
+    [batch] = run_batches(runners_of(agent), rows)
     # failing prompts come back empty-handed: dropped, counted, and backfilled by good ones
     assert batch.dropped.get("agent_error", 0) >= 2
     assert batch.metrics["rollout/dropped/agent_error"] >= 2
@@ -148,7 +155,10 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
                           max_staleness=0, stale_policy="requeue")  # fmt: skip
     pool = RolloutPool(PromptSource([ROWS], shuffle=False), runners.launch, pool_cfg)
     pool.start()
+    requeued = 0.0
     try:
+        pool.next_batch(version=0, timeout_s=300)
+        time.sleep(2.0)  # the groups launched to refill finish under version 0: stale at 1
         for version in range(1, 4):
             rollout.refitter.refit(weights.items(), version)  # same weights, new version
             batch = pool.next_batch(version=version, timeout_s=300)
@@ -160,6 +170,8 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
                         }
                         assert trained == {version}
             assert batch.metrics["pool/version_lag_max"] == 0
+            requeued += batch.metrics["pool/stale_requeued"]
+        assert requeued >= 1  # the screen had stale groups to turn away
     finally:
         pool.close()
         rollout.refitter.set_version(0)

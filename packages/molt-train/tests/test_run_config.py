@@ -1,6 +1,7 @@
 """Run configuration: defaults are valid, bad combinations fail naming their flags, the CLI
 parses dotted flags, and docs/flags.md is generated from the same dataclasses."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,18 @@ def test_bad_flags_fail_fast_without_starting_anything():
 def test_flags_doc_is_generated_from_the_dataclasses():
     doc = (ROOT / "docs" / "flags.md").read_text()
     assert doc == flags_markdown(), "regenerate: python -m molt_train.cli flags-doc"
+
+
+def test_docs_name_only_flags_that_exist():
+    """A dotted flag named anywhere in the docs is a real one (or the prefix of one, as in
+    `--algo.advantage.is_correction_*`): the docs cannot advertise a flag that does not exist."""
+    from molt_train.cli import flag_rows
+    from molt_train.sft import SFTConfig
+
+    flags = {row[0] for row in flag_rows(RunConfig) + flag_rows(SFTConfig)}
+    unknown = []
+    for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        for mention in re.findall(r"--[a-z_]+\.[a-z_.]*[a-z_]", page.read_text()):
+            if not any(flag == mention or flag.startswith(mention) for flag in flags):
+                unknown.append(f"{page.name}: {mention}")
+    assert not unknown, unknown

@@ -37,6 +37,7 @@ CONSOLE_COLUMNS = (
     ("refit s", "timing/broadcast", 7, ".2f"),
     ("step s", "timing/step_total", 7, ".2f"),
     ("tok/s", "perf/train_tokens_per_sec", 8, ".0f"),
+    ("eta s", "timing/eta_s", 7, ".0f"),
 )
 STEP_WIDTH = 6
 

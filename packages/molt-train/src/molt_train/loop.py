@@ -99,6 +99,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     pool.start()
     try:
+        t_start = time.perf_counter()
         for step in range(first_step, cfg.train.num_steps):
             t_step = time.perf_counter()
             batch = pool.next_batch(version)
@@ -129,6 +130,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 "timing/policy_train": t_trained - t_experience,
                 "timing/broadcast": t_refit - t_trained,
                 "timing/step_total": t_refit - t_step,
+                # The remaining steps at this run's mean step time so far.
+                "timing/eta_s": (t_refit - t_start) / (step + 1 - first_step)
+                * (cfg.train.num_steps - step - 1),
                 "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
                 / max(t_trained - t_experience, 1e-9),
                 "train/weight_version": float(version),
@@ -138,7 +142,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
             logger.log(step + 1, metrics)
             record_trained_prompts(run_dir, step + 1, batch)
             logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
-                                                     cfg.logger.num_sample_rollouts))  # fmt: skip
+                                                     cfg.logger.num_sample_rollouts,
+                                                     version - 1))  # trained at  # fmt: skip
             last = step + 1 == cfg.train.num_steps
             if last or (cfg.ckpt.every_steps and (step + 1) % cfg.ckpt.every_steps == 0):
                 checkpoints.save(step + 1, actors, {"step": step + 1, "pool": pool.state_dict(),

@@ -450,7 +450,7 @@ class PolicyWorker:
                 logprobs, logprobs.detach() if ref is None else ref, mask, kl_estimator
             )
             loss = loss + kl_loss_coef * reduce(kl, mask)
-            stats["ref_kl"] = masked_mean(kl.detach(), mask).item()
+            stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
         return loss, {"policy_loss": policy_loss.item() / self.dp_size}, stats
 
     def _value_loss(
