@@ -20,6 +20,17 @@ FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "Fa
         "--eval.every_steps", "0"]  # fmt: skip
 
 
+# What every step logs (docs/logging.md), besides eval and drop counts on their steps.
+STEP_METRICS = [
+    "rollout/reward_mean", "rollout/reward_std", "rollout/group_reward_std_mean",
+    "rollout/zero_std_groups", "rollout/response_length_mean", "rollout/truncated_rate",
+    "policy_loss", "policy_clip_ratio", "policy_kl", "vllm_kl", "is_filter_ratio", "grad_norm",
+    "lr", "pool/version_lag_mean", "pool/version_lag_max", "pool/mixed_version_rollouts",
+    "pool/occupancy", "pool/wait_s", "timing/generation", "timing/policy_train",
+    "timing/broadcast", "timing/step_total", "perf/train_tokens_per_sec", "perf/peak_memory_gb",
+]  # fmt: skip
+
+
 def molt_train(run_dir: Path, *flags: str, timeout: float = 900) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "molt_train.cli", *flags, "--train.output_dir",
            str(run_dir.parent), "--logger.run_name", run_dir.name]  # fmt: skip
@@ -49,6 +60,11 @@ def test_quickstart_learns(tmp_path, agent):
     first, last = rows[0]["rollout/reward_mean"], mean(r["rollout/reward_mean"] for r in rows[-3:])
     assert last > first + 0.3, [r["rollout/reward_mean"] for r in rows]
     assert "eval/pass@1" in rows[9] and "eval/digits/pass@1" in rows[19]
+    assert "eval/pass@4" in rows[9]  # unbiased pass@k up to --eval.n_samples (4)
+    missing = {key for r in rows for key in STEP_METRICS if key not in r}
+    assert not missing, missing
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {"prompt", "response", "reward", "version_lag"} <= set(samples[-1])
     # Tokens sampled by the weights being trained: the engines sample exactly that policy.
     mismatch = [r["vllm_kl"] for r in rows if r["vllm_kl"] is not None]
     assert mismatch and max(abs(kl) for kl in mismatch) < 1e-3, mismatch
@@ -104,13 +120,20 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
 
 
 def test_gae_critic_with_reference_kl(tmp_path):
+    """GAE with a critic, a reference model with KL in the reward and as a loss; also the
+    refit that waits for in-flight requests, and dynamic filtering."""
     run = tmp_path / "gae"
     molt_train(run, *FAST, "--train.num_steps", "2", "--algo.advantage.estimator", "gae",
                "--ref.enable", "True", "--algo.kl.loss_coef", "0.05",
-               "--algo.advantage.kl_coef", "0.01")  # fmt: skip
+               "--algo.advantage.kl_coef", "0.01", "--train.partial_rollout_enable", "False",
+               "--algo.dynamic_filtering_enable", "True")  # fmt: skip
     rows = metrics(run)
-    assert all("critic/value_loss" in r or "critic/policy_loss" in r for r in rows), rows[0].keys()
-    assert all(r["ref_kl"] >= 0 for r in rows)
+    assert all("critic/value_loss" in r for r in rows), rows[0].keys()
+    assert all(r["ref_kl"] >= 0 and r["loss/ref_kl"] >= 0 for r in rows)
+    assert all(r["critic/value_loss"] > 0 and r["kl_coef"] == 0.01 for r in rows)
+    # Without partial rollouts no rollout spans two weight versions.
+    assert all(r["pool/mixed_version_rollouts"] == 0 for r in rows)
+    assert all("pool/filtered_groups" in r for r in rows)
 
 
 def test_sft_lowers_the_loss(tmp_path):

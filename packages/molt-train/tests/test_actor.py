@@ -274,3 +274,43 @@ def test_sft_trains_the_negative_log_likelihood(policy, hf_model):
     assert policy.train_step(samples, "sft", None)["policy_loss"] < first["policy_loss"]
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy.train_step(samples, "dpo", LossConfig())
+
+
+def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
+    """The tiny Qwen3-MoE with routing replay and a frozen router. The replayed experts drive
+    the forward; activation checkpointing gives the same step (its backward recompute replays
+    the same experts); the router's weights never move and the rest do."""
+    import numpy as np
+
+    from molt_rollout.tiny_model import build_tiny_model
+
+    moe = str(build_tiny_model(tmp_path / "tiny-qwen3-moe", moe=True))
+    generator = np.random.default_rng(0)
+    samples = make_samples(390)
+    for sample in samples:  # two distinct experts of four per token and layer
+        order = generator.random((len(sample.token_ids), 2, 4)).argsort(-1)
+        sample.routed_experts = order[..., :2].astype(np.int16)
+    steps, states = [], []
+    for checkpointing in (False, True):
+        cfg = config(moe, 1, gradient_checkpointing=checkpointing, freeze_moe_router=True)
+        group = ActorGroup(cfg, FSDPConfig(), on_gpu=False, routing_replay=True)
+        try:
+            replayed = group.forward_logprobs(samples)
+            plain = [Sample(s.token_ids, s.loss_mask, s.temperature) for s in samples]
+            assert replayed != group.forward_logprobs(plain)  # the recorded experts were used
+            for sample, values in zip(samples, replayed, strict=True):
+                sample.old_logprobs = values
+            initial = group.full_state()["model"]
+            steps.append(group.train_step(samples, "ppo", PPO_WIDE))
+            states.append(group.full_state())
+        finally:
+            group.shutdown()
+    for key in ("policy_loss", "grad_norm", "entropy"):
+        assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-6), key
+    routers = router_params(list(initial))
+    assert routers == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    for name, tensor in states[1]["model"].items():
+        torch.testing.assert_close(tensor, states[0]["model"][name], atol=1e-6, rtol=0)
+        assert torch.equal(tensor, initial[name]) == (name in routers), name
+    optimized = list(states[0]["optim"]["state"])
+    assert optimized and not router_params(optimized)  # no Adam state for the router

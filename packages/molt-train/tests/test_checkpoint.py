@@ -137,3 +137,30 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
     got = torch.tensor(logprobs[0][1:])
     mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
     torch.testing.assert_close(got[mask], expected_lp[mask], atol=1e-5, rtol=0)
+
+
+def test_hf_export_replaces_atomically(tiny_model, tmp_path):
+    """An export is written beside its path and renamed in: one that crashes midway leaves
+    the earlier export whole, and the next export cleans up after it."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from molt_train.checkpoint import write_hf_checkpoint
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    weights = load_file(f"{tiny_model}/model.safetensors")
+    out = tmp_path / "hf_policy"
+    write_hf_checkpoint(str(out), weights.items(), config, tiny_model)
+
+    def crashing():
+        yield from list(weights.items())[:3]
+        raise RuntimeError("killed mid-export")
+
+    with pytest.raises(RuntimeError, match="mid-export"):
+        write_hf_checkpoint(str(out), crashing(), config, tiny_model)
+    assert load_file(str(out / "model.safetensors")).keys() == weights.keys()
+    doubled = {k: 2 * v for k, v in weights.items()}
+    write_hf_checkpoint(str(out), doubled.items(), config, tiny_model)
+    assert not (tmp_path / "hf_policy.tmp").exists()
+    name = next(iter(weights))
+    assert torch.equal(load_file(str(out / "model.safetensors"))[name], 2 * weights[name])

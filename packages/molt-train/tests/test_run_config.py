@@ -148,3 +148,21 @@ def test_docs_name_only_flags_that_exist():
             if not any(flag == mention or flag.startswith(mention) for flag in flags):
                 unknown.append(f"{page.name}: {mention}")
     assert not unknown, unknown
+
+
+def test_dynamic_filter_keeps_groups_whose_scores_differ():
+    from molt_capture.types import Rollout
+    from molt_rollout.pool import GroupResult, PromptTask
+    from molt_train.loop import keep_informative_group
+
+    def group(*scores, rewards=None):
+        rewards = rewards or scores
+        rollouts = [Rollout([], reward=r, rollout_id=f"r{i}", group_id="p0", score=s)
+                    for i, (r, s) in enumerate(zip(rewards, scores, strict=True))]  # fmt: skip
+        return GroupResult(PromptTask(0, {}, "p0", len(scores)), rollouts)
+
+    assert keep_informative_group(group(0.0, 1.0, 1.0))
+    assert not keep_informative_group(group(1.0, 1.0, 1.0))
+    assert not keep_informative_group(group(0.0, 0.0))
+    # The score decides when the agent gives one (a shaped reward may differ meanwhile).
+    assert not keep_informative_group(group(1.0, 1.0, rewards=[0.5, 0.9]))

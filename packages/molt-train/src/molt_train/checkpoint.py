@@ -180,12 +180,16 @@ def write_hf_checkpoint(
     path: str, named_tensors: Iterable[tuple[str, torch.Tensor]], config, source: str
 ) -> None:
     """safetensors shards (+ index when more than one), the model config and the source
-    model's tokenizer and generation config: loadable by AutoModelForCausalLM and vLLM."""
+    model's tokenizer and generation config: loadable by AutoModelForCausalLM and vLLM.
+    Written beside `path` and renamed into place: a crash leaves any earlier export whole."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(path)
+    out = final.with_name(final.name + ".tmp")
+    if out.exists():  # a crashed export's leftovers
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     tied = getattr(config, "tie_word_embeddings", False)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -216,3 +220,7 @@ def write_hf_checkpoint(
     if (source_dir / "generation_config.json").exists():
         shutil.copy(source_dir / "generation_config.json", out / "generation_config.json")
     AutoTokenizer.from_pretrained(source).save_pretrained(str(out))
+    _fsync_tree(out)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(out, final)

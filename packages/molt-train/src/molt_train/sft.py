@@ -8,6 +8,7 @@ rendering the conversation with the model's own chat template, prefix by prefix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
         cfg.logger.run_name or time.strftime("sft-%Y%m%d-%H%M%S")
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     actor = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
     rng = random.Random(cfg.data.seed)
