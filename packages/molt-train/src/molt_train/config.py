@@ -74,7 +74,6 @@ class TrainConfig:
     epochs_per_batch: int = 1  # optimizer passes over each batch
     mini_batches: int = 1  # optimizer steps per batch (groups_per_batch must divide by it)
     output_dir: str = "runs"  # the run directory is output_dir/<run name>
-    seed: int = 0  # the run seed (the actor adds its rank)
     ray_address: str | None = None  # an existing Ray cluster; None starts a local one
 
 
