@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from molt_capture import CaptureError, ChatRenderer, ChatRequest, Session, SessionConfig
 from molt_capture.testing import (
-    routing_row,
     QWEN3_STYLE_TEMPLATE,
     FakeGenerator,
     assert_token_exact,
+    routing_row,
     tool_call_text,
 )
 

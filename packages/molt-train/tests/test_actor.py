@@ -222,7 +222,9 @@ def test_training_raises_chosen_logprobs_and_follows_the_schedule(policy, hf_mod
     assert lrs == pytest.approx([lr_at(step, OPTIM) for step in range(1, 7)])
     assert lrs[-1] == pytest.approx(OPTIM.min_lr)
     assert losses[-1] < losses[0] < 0
-    assert metrics["loss/ref_kl"] > 0 and "entropy" in metrics and metrics["perf/peak_memory_gb"] > 0
+    assert (
+        metrics["loss/ref_kl"] > 0 and "entropy" in metrics and metrics["perf/peak_memory_gb"] > 0
+    )
     after = policy.forward_logprobs(samples)
     gain = [
         a - b

@@ -68,7 +68,7 @@ def test_other_choices_route_through_those_experts_and_train_the_router(moe_path
     own = own_choices(model, routers, TOKENS)
     other = torch.stack([(own[..., 0] + 1) % 4, (own[..., 0] + 2) % 4], dim=-1)  # never own[0]
     used = {}
-    for layer, router in routers:
+    for layer, _ in routers:
         experts = model.model.layers[layer].mlp.experts
         experts.register_forward_hook(lambda m, inputs, out, layer=layer: used.update({layer: inputs[1]}))  # fmt: skip
     with replaying(routers, other):

@@ -218,8 +218,9 @@ class FakeGenerator:
             logprobs=[-c / 1024 for c in counters],
             finish_reason=finish,
             weight_versions=list(counters),
-            routed_experts=[routing_row(p) for p in range(params.routing_start,
-                                                          len(token_ids) + len(ids) - 1)]
+            routed_experts=[
+                routing_row(p) for p in range(params.routing_start, len(token_ids) + len(ids) - 1)
+            ]
             if self.routing
             else None,
             routing_start=params.routing_start,

@@ -9,9 +9,9 @@ compaction) into one `Rollout` with the agent's reward.
 from __future__ import annotations
 
 import asyncio
-import copy
 import concurrent.futures
 import contextlib
+import copy
 import time
 from typing import Any
 

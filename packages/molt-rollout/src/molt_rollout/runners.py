@@ -43,7 +43,9 @@ class AgentWorker:
         client = TokenClient(router_url, model, request_timeout_s, max_retries)
         self.runner = runner_class(client, tokenizer, runner)
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
-        self.eval_runner = self.runner if eval_runner is None else self.runner.with_sampling(eval_runner)
+        self.eval_runner = (
+            self.runner if eval_runner is None else self.runner.with_sampling(eval_runner)
+        )
 
     async def run_group(self, task: PromptTask) -> GroupResult:
         """All n rollouts of one prompt at once; failures come back as `Dropped`, not raised."""

@@ -67,8 +67,12 @@ def make_experience(
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
     samples = [
-        Sample(token_ids=s.token_ids, loss_mask=s.trainable, temperature=s.temperature,
-               routed_experts=_routing(s) if routing_replay else None)  # fmt: skip
+        Sample(
+            token_ids=s.token_ids,
+            loss_mask=s.trainable,
+            temperature=s.temperature,
+            routed_experts=_routing(s) if routing_replay else None,
+        )
         for _, s in segments
     ]
     lengths = [len(s.token_ids) for s in samples]

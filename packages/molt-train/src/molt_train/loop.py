@@ -117,6 +117,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             refit_times = policy.refit(version, pause_mode)
             t_refit = time.perf_counter()
             kl_ctl.update(experience.metrics.get("ref_kl", 0.0), len(experience.rollouts))
+            mean_step_s = (t_refit - t_start) / (step + 1 - first_step)  # this run's, so far
 
             metrics = {
                 **rollout_metrics(experience.rollouts, batch.dropped),
@@ -130,9 +131,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 "timing/policy_train": t_trained - t_experience,
                 "timing/broadcast": t_refit - t_trained,
                 "timing/step_total": t_refit - t_step,
-                # The remaining steps at this run's mean step time so far.
-                "timing/eta_s": (t_refit - t_start) / (step + 1 - first_step)
-                * (cfg.train.num_steps - step - 1),
+                "timing/eta_s": mean_step_s * (cfg.train.num_steps - step - 1),
                 "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
                 / max(t_trained - t_experience, 1e-9),
                 "train/weight_version": float(version),

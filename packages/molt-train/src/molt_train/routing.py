@@ -119,7 +119,9 @@ def microbatch_routing(arrays: list[np.ndarray], width: int | None) -> Tensor:
     row, and padding, route to experts 0..k-1: their outputs reach no trained log-prob (causal
     attention, and a sequence's last position predicts nothing that is trained)."""
     if width is not None:
-        arrays = [np.pad(a, ((0, width - len(a)), (0, 0), (0, 0)), constant_values=-1) for a in arrays]
+        arrays = [
+            np.pad(a, ((0, width - len(a)), (0, 0), (0, 0)), constant_values=-1) for a in arrays
+        ]
     routing = torch.from_numpy(np.concatenate(arrays)).long()
     fill = torch.arange(routing.shape[-1]).expand_as(routing)
     return torch.where(routing < 0, fill, routing).permute(1, 0, 2).contiguous()
