@@ -109,7 +109,12 @@ def quickstart(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """Side-by-side measurements; copy the printed tables into docs/benchmarks.md."""
+    """The CPU benchmarks, side by side (chunked log-probs; the streaming pool against the
+    synchronous one on a simulated pipeline); copy the printed tables into docs/benchmarks.md.
+    Extra flags go to the log-prob benchmark."""
     session.install(TORCH_CPU)
     install_package(session, "molt-algos")
     session.run("python", "benchmarks/algos_logprob.py", *session.posargs)
+    for package in LOCAL_DEPS["molt-rollout"] + ["molt-rollout"]:
+        install_package(session, package)
+    session.run("python", "benchmarks/pool_simulated.py")
