@@ -165,9 +165,9 @@ def test_console_table(tmp_path, capsys):
     ]
     assert [int(line.split()[0]) for line in lines[1:]] == [1, 2, 4]
     assert len({len(line) for line in lines}) == 1  # fixed-width columns
-    assert lines[1].split() == ["1", "0.2500", "-", "-0.5", "-", "-", "-", "-", "-", "3.00", "-"]
-    assert lines[2].split() == ["2", "0.7500", "0.500", "nan"] + ["-"] * 7
-    assert lines[3].split() == ["4", "-", "-", "-", "-", "-", "12.35", "-", "-", "-", "98765"]
+    assert lines[1].split() == ["1", "0.2500", "-", "-0.5"] + ["-"] * 5 + ["3.00", "-", "-"]
+    assert lines[2].split() == ["2", "0.7500", "0.500", "nan"] + ["-"] * 8
+    assert lines[3].split() == ["4"] + ["-"] * 5 + ["12.35", "-", "-", "-", "98765", "-"]
     assert "\x1b" not in "".join(lines)
 
 
