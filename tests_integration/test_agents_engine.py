@@ -53,8 +53,10 @@ def check_trace(rollout) -> None:
         assert sum(seg.trainable) == generated  # prompts and observations are masked
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runners_of(rollout, tiny_model):
+    """Runner groups for one test, shut down after it: each holds Ray CPUs (fractional), and
+    the session's Ray has two."""
     made = []
 
     def make(agent, **kwargs):
@@ -175,3 +177,10 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
     finally:
         pool.close()
         rollout.refitter.set_version(0)
+
+
+def test_runners_the_cluster_cannot_place_fail_with_the_flags(ray_cluster, tiny_model):
+    cfg = RunnersConfig(num_runners=1, cpus_per_runner=64, startup_timeout_s=3)
+    with pytest.raises(RuntimeError, match="--rollout.cpus_per_runner = 64"):
+        RunnerGroup(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, "http://127.0.0.1:9",
+                    RunnerConfig(), request_timeout_s=10, max_retries=0)  # fmt: skip

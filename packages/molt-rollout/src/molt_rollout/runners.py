@@ -28,6 +28,7 @@ class RunnersConfig:
     num_runners: int = 2
     cpus_per_runner: float = 0.25  # fractional: runners mostly wait on engines and agents
     max_concurrent_groups: int = 256  # groups one runner interleaves on its event loop
+    startup_timeout_s: float = 300.0  # the actors must be up (agent imported) by then
 
 
 class AgentWorker:
@@ -84,8 +85,19 @@ class RunnerGroup:
             for _ in range(cfg.num_runners)
         ]
         self._next = itertools.cycle(self.actors)
-        # Surface a bad agent module or model path now, not at the first group.
-        ray.get([a.ready.remote() for a in self.actors])
+        # Surface a bad agent module or model path now, not at the first group; and never wait
+        # forever for actors the cluster has no CPUs to place.
+        try:
+            ray.get([a.ready.remote() for a in self.actors], timeout=cfg.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for a in self.actors:
+                ray.kill(a)
+            raise RuntimeError(
+                f"{cfg.num_runners} agent-runner actors did not start within "
+                f"{cfg.startup_timeout_s} s: does the Ray cluster have "
+                f"--rollout.num_runners x --rollout.cpus_per_runner = "
+                f"{cfg.num_runners * cfg.cpus_per_runner} CPUs free?"
+            ) from None
 
     def launch(self, task: PromptTask) -> concurrent.futures.Future:
         return next(self._next).run_group.remote(task).future()
