@@ -128,9 +128,6 @@ class MetricsLogger:
                 mode=cfg.wandb_mode,
                 config=config_dict,
                 reinit="create_new",  # our own run object; never touch a caller's global run
-                # W&B's own banners and end-of-run summary would bury the step table; the
-                # final message prints the run's folder (and URL) instead.
-                settings=wandb.Settings(silent=True),
             )
             # The run's own folder (…/wandb/offline-run-<time>-<id>), which `wandb sync` takes.
             self.paths["wandb"] = os.path.dirname(self._wandb_run.dir)
