@@ -57,7 +57,7 @@ def test_quickstart_learns(tmp_path, agent):
                      "--train.num_steps", "20", "--eval.every_steps", "10")  # fmt: skip
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 21))
-    # Most runs pass 0.9 by step 20 from about 0.2. Some Env-form runs (2 of 11 measured, both
+    # Most runs pass 0.9 by step 20 from about 0.2. Some Env-form runs (2 of 12 measured, both
     # under CI) instead settle by step 13 on answering every prompt with a letter (reward
     # about 0.45, the share of letter prompts), which needs the same working pipeline to learn:
     # a wrong loss, token alignment or refit learns neither. The batch-to-batch noise of the
