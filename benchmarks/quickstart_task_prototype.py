@@ -2,63 +2,55 @@
 
     python benchmarks/quickstart_task_prototype.py --seed 0 [--lag 1]   (about 12 s, one core)
 
-The shipped task (molt_train/quickstart): the user turn is "0123456789" (label "digit") or
-"abcdefghij" (label "letter"); the reply, one token (max_tokens 1), earns 1 when its first
-non-whitespace character is of that kind (`molt_train.quickstart.reward`, the same function
-the Env and ChatAgent use, on the same shipped jsonl rows). The loop is the real run's algorithm
-in miniature: n replies per prompt sampled from the full distribution at temperature 1 (as
-vLLM does), GRPO advantages and the PPO loss from molt-algos with the old log-probs recomputed
-by the current weights (one optimizer step per batch, so the ratio is 1), token-mean, AdamW,
-gradient clipping. `--lag 1` trains each batch one weight version late, as the real run's
-default `--train.async_queue_size 1` does, with its token-level truncated IS weight
+The shipped task (molt_train/quickstart): the user turn is "abcdefghijklm" (label "a-m") or
+"nopqrstuvwxyz" (label "n-z"); the reply, one token (max_tokens 1), earns 1 when its first
+non-whitespace character is a letter of that half, either case (`molt_train.quickstart.reward`,
+the same function the Env and ChatAgent use, on the same shipped jsonl rows). The loop is the
+real run's algorithm in miniature: n replies per prompt sampled from the full distribution at
+temperature 1 (as vLLM does), GRPO advantages and the PPO loss from molt-algos with the old
+log-probs recomputed by the current weights (one optimizer step per batch, so the ratio is 1),
+token-mean, AdamW, gradient clipping. `--lag 1` trains each batch one weight version late, as
+the quickstart's `--train.async_queue_size 0` does, with its token-level truncated IS weight
 min(pi_old / pi_rollout, 2) on the loss; `--lag 0` is `--train.force_on_policy True`.
 
-Settings (proposed quickstart defaults): 16 prompts x 8 samples per step, max_tokens 1,
-temperature 1.0, AdamW lr 5e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0, no warmup,
-constant lr, max grad norm 1.0; grpo (eps 1e-6), ppo (clip 0.2/0.2), token-mean.
+Settings: 16 prompts x 8 samples per step, max_tokens 1, temperature 1.0, AdamW lr 5e-3 (constant
+here; the quickstart decays it), betas (0.9, 0.999), eps 1e-8, weight decay 0, no warmup, max
+grad norm 1.0; grpo (eps 1e-6), ppo (clip 0.2/0.2), token-mean.
 
-Reward per step (mean of the 128 rollouts trained at that step), tiny model v2 seed 0, one
-thread on the 2-core dev box; first step >= 0.9 in brackets:
+Measured, tiny model v2 seed 0, one thread on the 2-core dev box, 40 steps, seeds 0-11 at each
+lag (steps counted from 1, as the real run's table does):
 
-    lag 0, seed 0 [17]: .27 .29 .29 .29 .34 .48 .53 .34 .48 .34 .70 .57 .58 .42 .69 .61 .85 .92
-                        .88 .94 .91 .99 .97 .98 1.0 1.0 ... (>= .99 to step 39)
-    lag 0, seed 1 [14]: .29 .23 .30 .31 .32 .36 .30 .34 .47 .57 .70 .63 .88 .90 .95 .94 .98 .98
-                        1.0 .99 ... (>= .99 to step 39)
-    lag 0, seed 2 [13]: .24 .27 .36 .28 .30 .32 .47 .56 .60 .70 .68 .88 .88 .94 .95 .97 .99 1.0
-                        ... (>= .99 to step 39)
-    lag 1, seed 0 [17]: .27 .26 .28 .28 .32 .45 .50 .40 .52 .37 .70 .63 .63 .56 .70 .66 .89 .95
-                        .95 .96 .93 1.0 .97 .99 1.0 ... (>= .99 to step 39)
-    lag 1, seed 1 [13]: .29 .18 .28 .31 .29 .34 .27 .30 .48 .55 .73 .63 .81 .91 .95 .94 .98 .97
-                        1.0 ... (>= .99 to step 39)
-    lag 1, seed 2 [13]: .24 .27 .33 .26 .27 .32 .45 .52 .56 .70 .70 .84 .88 .95 .95 .96 .98 1.0
-                        ... (>= .97 to step 39)
-
-Eval pass@1 (8 samples of each of the 50 eval rows) after step 19: 0.965-0.998; after 39:
-0.998-1.0. Over 60 steps, seeds 0-7: first >= 0.9 at steps 13-18 (lag 1) and 13-17 (lag 0);
-one late dip (lag 1, seed 2: 0.59 at step 58, back to 1.0 the next step). lr 3e-3 (lag 1,
-seeds 0-5): first >= 0.9 at steps 17-23, never below 0.82 after.
+    first step with reward >= 0.9     lag 1: 12-14; lag 0: 11-14 (every seed)
+    lowest reward after that step     0.85-0.96; steps 20-40: 0.98-1.00 in every run
+    eval pass@1 after step 10 / 20    0.76-0.89 / 0.99-1.00; after 30 and 40: 0.998-1.00
+    lag 1, seed 0, reward per step    .16 .19 .20 .20 .37 .37 .38 .55 .70 .52 .84 .84 .91 .96
+                                      .95 .94 .98 1.0 1.0 .99 ... (>= .99 to step 40)
 
 Design notes, from variants of this loop (scratch, not kept):
 
+- Each answer must be a large class of the vocabulary at init, and the two classes of similar
+  size. Of the 390 tokens, 95 start with a letter of a-m and 68 with one of n-z (either case),
+  so chance is about 0.2, and groups of both labels have variance from the first step.
+- The previous task, digit ("0123456789") vs letter ("abcdefghij"), learned too (first >= 0.9
+  at steps 13-20 over seeds 0-11) but was fragile: only 17 tokens start with a digit, so the
+  random model answered a digit prompt correctly 2-4% of the time and most digit groups were
+  all zero for the first ten steps, while letter prompts pushed every prompt towards letters.
+  Some runs settled on letters for every prompt (reward 0.5, no group with variance, no signal
+  to leave it): 1 of 12 seeds here at 4 samples per prompt (none for halves: all 12 passed 0.9,
+  at steps 12-21), and 2 of 12 full Env-form quickstart runs at 8.
 - Copying the digit shown ("7" -> "7") is not learnable in 40 steps: after 40 steps of 16 x 8
   the accuracy stays 0.1-0.3 at every lr from 1e-3 to 1e-2, with or without an "any digit"
   bonus, distance-shaped rewards, an entropy bonus, the digit repeated 10-40 times, 1 or 4
   reply tokens, balanced batches; 16 x 64 reaches 0.7 by step 31. The right digit has chance
   1/390 at init, so the policy first learns "some digit", and meanwhile the full-model Adam
-  updates wash the prompt's digit out of the last hidden state (its between-prompt share of
-  variance falls from 0.1-0.3 to < 0.01 in 15 steps); the policy settles on one digit
-  (reward 0.1) and all-wrong groups carry no GRPO signal. Two digit classes are not reliable
-  either.
-- Digit vs letter works because each answer is a large class: of the 390 tokens, 17 start
-  with a digit and 163 with a letter, so chance is about 0.25, groups have variance from the
-  start, and the prompt only has to steer between two classes. It is prompt-conditional: a
-  policy that ignores the prompt earns at most 0.5 (the curves pass through that plateau).
-- The prompt matters: the bare words "digit"/"letter" reach 0.9 at steps 13-30 and drift
-  more; a system turn, varied phrasings, or shuffled digits and random letters are slower or
-  less stable. Ten characters of the kind give the last hidden state the most to go on.
+  updates wash the prompt's digit out of the last hidden state; the policy settles on one
+  digit (reward 0.1) and all-wrong groups carry no GRPO signal.
+- A policy that ignores the prompt earns at most 0.5, so a reward past it means the model
+  reads the prompt. Showing the whole half gives the last hidden state the most to go on;
+  bare words ("digit"/"letter"), a system turn or varied phrasings were slower or less stable.
 - lr 1e-2 is faster on some seeds but collapses after converging (one failed sample in a
   near-deterministic batch moves the policy onto one class); max_tokens 4 adds noise to the
-  one token that matters (a seed of three stuck at 0.5); dr_grpo is slower than grpo.
+  one token that matters; dr_grpo is slower than grpo.
 """
 
 from __future__ import annotations
@@ -84,7 +76,7 @@ from molt_algos import (
 )
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.quickstart import data_path
-from molt_train.quickstart.reward import KINDS, reward
+from molt_train.quickstart.reward import HALVES, reward
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -182,10 +174,12 @@ def train_step(model, optimizer, batch: dict, args) -> dict:
     }
 
 
-def kind_mean(batch: dict, kind: str) -> float:
-    """Mean reward of the batch's rollouts whose prompt asks for `kind`."""
+def label_mean(batch: dict, label: str) -> float:
+    """Mean reward of the batch's rollouts whose row has `label`."""
     values = [
-        r for r, label in zip(batch["rewards"], batch["labels"], strict=True) if label == kind
+        r
+        for r, row_label in zip(batch["rewards"], batch["labels"], strict=True)
+        if row_label == label
     ]
     return sum(values) / max(len(values), 1)
 
@@ -223,9 +217,9 @@ def main() -> None:
     model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                                   weight_decay=args.weight_decay)  # fmt: skip
-    folder = args.data_dir or data_path("digits_train.jsonl").parent
-    train_rows = load_rows(folder / "digits_train.jsonl")
-    eval_rows = load_rows(folder / "digits_eval.jsonl")
+    folder = args.data_dir or data_path("halves_train.jsonl").parent
+    train_rows = load_rows(folder / "halves_train.jsonl")
+    eval_rows = load_rows(folder / "halves_eval.jsonl")
 
     def next_prompts() -> list[dict]:  # the data stream: a fresh shuffle each epoch
         nonlocal order
@@ -246,8 +240,8 @@ def main() -> None:
         if not args.lag:
             pending = make_batch(model, tokenizer, next_prompts(), args)
         curve.append(sum(batch["rewards"]) / len(batch["rewards"]))
-        kinds = " ".join(f"{kind} {kind_mean(batch, kind):.2f}" for kind in KINDS)
-        print(f"step {step:3d}  reward {curve[-1]:.3f} ({kinds})  entropy {stats['entropy']:.2f}  "
+        halves = " ".join(f"{label} {label_mean(batch, label):.2f}" for label in HALVES)
+        print(f"step {step:3d}  reward {curve[-1]:.3f} ({halves})  entropy {stats['entropy']:.2f}  "
               f"grad_norm {stats['grad_norm']:.2f}  vllm_kl {stats['vllm_kl']:+.1e}  "
               f"e.g. {batch['texts'][0]!r}  {time.monotonic() - start:.0f}s")  # fmt: skip
         if args.eval_every and (step + 1) % args.eval_every == 0:

@@ -49,7 +49,7 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize("agent", ["digits_env", "digits_chat"])
+@pytest.mark.parametrize("agent", ["halves_env", "halves_chat"])
 def test_quickstart_learns(tmp_path, agent):
     run = tmp_path / agent
     # Half the README's 40 steps: measured runs pass 0.9 at steps 17-18 from about 0.2.
@@ -64,7 +64,7 @@ def test_quickstart_learns(tmp_path, agent):
     # reward is about 0.05.
     first, last = rows[0]["rollout/reward_mean"], mean(r["rollout/reward_mean"] for r in rows[-3:])
     assert last > first + 0.15, [r["rollout/reward_mean"] for r in rows]
-    assert "eval/pass@1" in rows[9] and "eval/digits/pass@1" in rows[19]
+    assert "eval/pass@1" in rows[9] and "eval/halves/pass@1" in rows[19]
     assert "eval/pass@4" in rows[9]  # unbiased pass@k up to --eval.n_samples (4)
     missing = {key for r in rows for key in STEP_METRICS if key not in r}
     assert not missing, missing

@@ -5,7 +5,7 @@
     molt-train quickstart [flags]     the tiny model learns the shipped task on CPU
     molt-train sft [flags]
 
-With no model or data flags a run trains the embedded tiny model on the shipped digits task;
+With no model or data flags a run trains the embedded tiny model on the shipped alphabet-halves task;
 `quickstart` adds the settings that learn it in a few minutes. `python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
 """
 
@@ -22,7 +22,7 @@ import tyro
 
 from molt_train.config import RunConfig, validate_agent, validate_run_config
 
-# `molt-train quickstart`: the shipped digits task (the defaults' data and agent) with settings
+# `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with settings
 # that learn it on CPU in a few minutes (found with benchmarks/quickstart_task_prototype.py).
 # Flags given after `quickstart` override these.
 QUICKSTART = [

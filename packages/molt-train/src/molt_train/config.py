@@ -64,7 +64,7 @@ class RolloutConfig:
 class TrainConfig:
     """The loop (`--train.*`)."""
 
-    agent_path: str = "molt_train.quickstart.digits_env"  # module or .py file with AgentRunner
+    agent_path: str = "molt_train.quickstart.halves_env"  # module or .py file with AgentRunner
     num_steps: int = 30  # optimizer steps (batches) of the run
     async_queue_size: int = 1  # batches generated ahead of the one training (0: one-step off)
     max_staleness: int | None = 2  # weight versions a trained token may lag; None: unbounded
@@ -156,11 +156,11 @@ class CheckpointConfig:
 
 
 def quickstart_data() -> DataConfig:
-    """With no --data flags a run trains on the shipped digits task (the quickstart)."""
+    """With no --data flags a run trains on the shipped alphabet-halves task (the quickstart)."""
     from molt_train.quickstart import data_path
 
-    return DataConfig(train_files=[str(data_path("digits_train.jsonl"))],
-                      eval_files=[str(data_path("digits_eval.jsonl"))])  # fmt: skip
+    return DataConfig(train_files=[str(data_path("halves_train.jsonl"))],
+                      eval_files=[str(data_path("halves_eval.jsonl"))])  # fmt: skip
 
 
 @dataclass

@@ -36,7 +36,7 @@ from molt_train.quickstart import data_path
 class SFTDataConfig:
     """Chat conversations (`--data.*`): rows with a list of messages, optionally tools."""
 
-    train_files: list[str] = field(default_factory=lambda: [str(data_path("digits_sft.jsonl"))])
+    train_files: list[str] = field(default_factory=lambda: [str(data_path("halves_sft.jsonl"))])
     messages_key: str = "messages"
     max_len: int = 2048  # longer conversations are cut (their tail is not trained)
     shuffle: bool = True

@@ -1,6 +1,6 @@
 """The quickstart task as a ChatAgent: one call through the stock OpenAI SDK.
 
-The same task and reward as `digits_env.py`; the model is reached through `ctx.base_url`, the
+The same task and reward as `halves_env.py`; the model is reached through `ctx.base_url`, the
 runner's capture session, so every generated token is recorded exactly as in the Env form.
 """
 
@@ -10,7 +10,7 @@ from molt_rollout import ChatAgent, ChatContext, ChatRunner, Result
 from molt_train.quickstart.reward import reward
 
 
-class DigitAgent(ChatAgent):
+class HalfAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
             response = await client.chat.completions.create(
@@ -24,4 +24,4 @@ class DigitAgent(ChatAgent):
 
 
 class AgentRunner(ChatRunner):
-    agent_class = DigitAgent
+    agent_class = HalfAgent
