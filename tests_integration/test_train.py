@@ -52,19 +52,16 @@ def mean(values) -> float:
 @pytest.mark.parametrize("agent", ["halves_env", "halves_chat"])
 def test_quickstart_learns(tmp_path, agent):
     run = tmp_path / agent
-    # Half the README's 40 steps: measured runs pass 0.9 at steps 17-18 from about 0.2.
+    # Half the README's 40 steps: measured runs pass 0.9 at steps 13-15 from about 0.2. A policy
+    # that ignores the prompt earns at most 0.5, so 0.75 means it reads the prompt; that needs
+    # the loss, token alignment and the refit all right.
     out = molt_train(run, *FAST, "--train.agent_path", f"molt_train.quickstart.{agent}",
                      "--train.num_steps", "20", "--eval.every_steps", "10")  # fmt: skip
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 21))
-    # Most runs pass 0.9 by step 20 from about 0.2. Some Env-form runs (2 of 12 measured, both
-    # under CI) instead settle by step 13 on answering every prompt with a letter (reward
-    # about 0.45, the share of letter prompts), which needs the same working pipeline to learn:
-    # a wrong loss, token alignment or refit learns neither. The batch-to-batch noise of the
-    # reward is about 0.05.
-    first, last = rows[0]["rollout/reward_mean"], mean(r["rollout/reward_mean"] for r in rows[-3:])
-    assert last > first + 0.15, [r["rollout/reward_mean"] for r in rows]
-    assert "eval/pass@1" in rows[9] and "eval/halves/pass@1" in rows[19]
+    rewards = [r["rollout/reward_mean"] for r in rows]
+    assert rewards[0] < 0.4 and mean(rewards[-3:]) > 0.75, rewards
+    assert "eval/pass@1" in rows[9] and rows[19]["eval/halves/pass@1"] > 0.75
     assert "eval/pass@4" in rows[9]  # unbiased pass@k up to --eval.n_samples (4)
     missing = {key for r in rows for key in STEP_METRICS if key not in r}
     assert not missing, missing

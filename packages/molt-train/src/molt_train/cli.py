@@ -5,8 +5,9 @@
     molt-train quickstart [flags]     the tiny model learns the shipped task on CPU
     molt-train sft [flags]
 
-With no model or data flags a run trains the embedded tiny model on the shipped alphabet-halves task;
-`quickstart` adds the settings that learn it in a few minutes. `python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
+With no model or data flags a run trains the embedded tiny model on the shipped alphabet-halves
+task; `quickstart` adds the settings that learn it in a few minutes.
+`python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import tyro
 
 from molt_train.config import RunConfig, validate_agent, validate_run_config
 
-# `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with settings
-# that learn it on CPU in a few minutes (found with benchmarks/quickstart_task_prototype.py).
+# `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with
+# settings that learn it on CPU in a few minutes (benchmarks/quickstart_task_prototype.py).
 # Flags given after `quickstart` override these.
 QUICKSTART = [
     "--actor.optim.lr", "5e-3",
