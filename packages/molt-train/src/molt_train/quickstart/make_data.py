@@ -18,7 +18,7 @@ from pathlib import Path
 
 from molt_train.quickstart.reward import HALVES
 
-PROMPTS = dict(HALVES)  # label -> the user turn, which is the half itself
+PROMPTS = HALVES  # label -> the user turn, which is the half itself
 TRAIN_ROWS = 256
 EVAL_ROWS = 50
 SFT_ROWS = 128
