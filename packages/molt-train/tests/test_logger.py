@@ -80,9 +80,15 @@ def read_wandb_run(run_folder: str) -> tuple[list[dict], int | None]:
     The file is a 7-byte W&B header, then a LevelDB-style record log in 32 KiB blocks: each
     chunk is crc (4 bytes), length (2), type (1: full, 2: first, 3: middle, 4: last), then
     bytes of one serialized `wandb_internal.Record`.
+
+    `run.finish()` returns before the W&B service has closed the run's stream (that request is
+    fire-and-forget), so the file's last records can still be in its buffer; `wandb.teardown()`
+    waits for the service to exit, which flushes them (at process exit its atexit hook does this).
     """
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
+    wandb.teardown()
     (path,) = glob.glob(os.path.join(run_folder, "*.wandb"))
     data = Path(path).read_bytes()
     block, pos, record, rows, exit_code = 32768, 7, b"", [], None
