@@ -12,7 +12,7 @@ from molt_rollout import ChatRunner, EnvRunner, RunnerConfig, load_agent
 from molt_rollout.data import load_rows
 from molt_train import quickstart
 from molt_train.quickstart import data_path, halves_chat, halves_env, make_data
-from molt_train.quickstart.reward import alphabet_half, reward
+from molt_train.quickstart.reward import HALVES, alphabet_half, reward
 
 FIRST_ROW = {"prompt": [{"role": "user", "content": "abcdefghijklm"}], "label": "a-m"}
 SECOND_ROW = {"prompt": [{"role": "user", "content": "nopqrstuvwxyz"}], "label": "n-z"}
@@ -62,13 +62,13 @@ def test_shipped_data_is_what_make_data_writes():
         assert {r["data_source"] for r in rows} == {"halves"}
         assert sum(r["label"] == "a-m" for r in rows) == count // 2
         for r in rows:
-            assert r["prompt"] == [{"role": "user", "content": make_data.PROMPTS[r["label"]]}]
+            assert r["prompt"] == [{"role": "user", "content": HALVES[r["label"]]}]
     sft = [json.loads(line) for line in data_path("halves_sft.jsonl").read_text().splitlines()]
     assert sft == make_data.make_conversations(make_data.SFT_ROWS, seed=2)
     for row in sft:  # every answer is a letter of the half its prompt shows
         turns = row["messages"]
         for user, answer in zip(turns[::2], turns[1::2], strict=True):
-            label = next(k for k, v in make_data.PROMPTS.items() if v == user["content"])
+            label = next(k for k, v in HALVES.items() if v == user["content"])
             assert reward(answer["content"], label) == 1.0
 
 

@@ -164,7 +164,11 @@ class MetricsLogger:
             self._wandb_run.log({"samples": self._wandb.Table(columns, rows)}, step=step)
 
     def close(self, exit_code: int = 0) -> dict[str, str]:
-        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online)."""
+        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online).
+
+        W&B's service writes a run's last records after `finish()` returns; they are on disk by
+        process exit (its atexit teardown waits). Tearing it down here would also end runs the
+        caller owns."""
         if not self._closed:
             self._closed = True
             if self._tensorboard is not None:

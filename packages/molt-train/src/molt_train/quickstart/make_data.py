@@ -6,7 +6,8 @@ Run: python -m molt_train.quickstart.make_data   (deterministic: the same files 
 A row shows one half of the alphabet, and its label names the half:
     {"prompt": [{"role": "user", "content": "abcdefghijklm"}], "label": "a-m", ...}
     {"prompt": [{"role": "user", "content": "nopqrstuvwxyz"}], "label": "n-z", ...}
-with "data_source": "halves" (the eval metrics' name).
+with "data_source": "halves" (the eval metrics' name). The user turn is the half itself:
+`reward.HALVES` maps each label to it.
 Half the rows are of each label, in a seeded random order. The two prompts are fixed on
 purpose: the whole half gives the model's last hidden state the most to tell them apart by
 (benchmarks/quickstart_task_prototype.py).
@@ -18,7 +19,6 @@ from pathlib import Path
 
 from molt_train.quickstart.reward import HALVES
 
-PROMPTS = HALVES  # label -> the user turn, which is the half itself
 TRAIN_ROWS = 256
 EVAL_ROWS = 50
 SFT_ROWS = 128
@@ -26,11 +26,11 @@ SFT_ROWS = 128
 
 def make_rows(count: int, seed: int) -> list[dict]:
     """`count` rows, alternately of each label, shuffled with `seed`."""
-    labels = [list(PROMPTS)[i % len(PROMPTS)] for i in range(count)]
+    labels = [list(HALVES)[i % len(HALVES)] for i in range(count)]
     random.Random(seed).shuffle(labels)
     return [
         {
-            "prompt": [{"role": "user", "content": PROMPTS[label]}],
+            "prompt": [{"role": "user", "content": HALVES[label]}],
             "label": label,
             "data_source": "halves",
         }
@@ -46,9 +46,9 @@ def make_conversations(count: int, seed: int) -> list[dict]:
     for i in range(count):
         messages = []
         for _ in range(1 + i % 2):
-            label = rng.choice(list(PROMPTS))
-            answer = rng.choice(PROMPTS[label] + PROMPTS[label].upper())
-            messages += [{"role": "user", "content": PROMPTS[label]},
+            label = rng.choice(list(HALVES))
+            answer = rng.choice(HALVES[label] + HALVES[label].upper())
+            messages += [{"role": "user", "content": HALVES[label]},
                          {"role": "assistant", "content": answer}]  # fmt: skip
         rows.append({"messages": messages, "data_source": "halves"})
     return rows
