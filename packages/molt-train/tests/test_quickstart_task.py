@@ -39,7 +39,7 @@ def run(runner, row, rollout_id="r0"):
     [("a", "a-m"), ("m", "a-m"), (" b", "a-m"), ("Ke", "a-m"), ("\n M", "a-m"),
      ("n", "n-z"), ("sist", "n-z"), ("Z", "n-z"), ("x marks it", "n-z"),
      ("", None), ("   ", None), ("7", None), ("?", None), ("<", None), ("é", None),
-     ("\ufffd", None)],
+     ("\ufffd", None), ("\u212a", None), ("\u017f", None)],
 )  # fmt: skip
 def test_alphabet_half_reads_the_first_non_whitespace_character(reply, half):
     assert alphabet_half(reply) == half

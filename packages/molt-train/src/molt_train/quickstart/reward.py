@@ -16,11 +16,11 @@ HALVES = {"a-m": string.ascii_lowercase[:13], "n-z": string.ascii_lowercase[13:]
 def alphabet_half(text: str) -> str | None:
     """ "a-m" or "n-z" for the first non-whitespace character of `text` when it is an ASCII
     letter (either case), else None."""
-    stripped = text.lstrip()
-    first = stripped[:1].lower()
-    if not first or first not in string.ascii_lowercase:
+    first = text.lstrip()[:1]
+    # ASCII before lowering: the Kelvin sign (U+212A) lowers to "k". "" is in every string.
+    if not first or first not in string.ascii_letters:
         return None
-    return "a-m" if first in HALVES["a-m"] else "n-z"
+    return "a-m" if first.lower() in HALVES["a-m"] else "n-z"
 
 
 def reward(reply: str, label: str) -> float:
