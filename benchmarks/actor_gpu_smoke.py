@@ -1,6 +1,6 @@
 """GPU smoke test and throughput probe of the policy actor's per-rank logic, without Ray.
 
-Runs `molt_train.worker.PolicyWorker` under torchrun (one process per GPU, NCCL): AutoModel's
+Runs `molt_train.model_worker.ModelWorker` under torchrun (one process per GPU, NCCL): AutoModel's
 model build with FSDP2 (bf16 compute, fp32 master weights), a packed-vs-separate log-prob check
 (packing must isolate sequences with the GPU attention kernels too), optimizer steps with
 throughput and peak memory, the refit gather (every full tensor, bf16), and with
@@ -130,7 +130,7 @@ def routing_replay_check(worker, vocab: int, experts: int) -> dict:
     }
     with_routing = dataclasses.replace(sample, routed_experts=own, old_logprobs=plain.tolist())
     step = worker.train_step([[with_routing]], with_routing.num_trained, 1, "ppo", LossConfig())
-    return {**results, "replay_step_grad_norm": step["grad_norm"]}
+    return {**results, "replay_step_grad_norm": step["train/grad_norm"]}
 
 
 def main() -> None:
@@ -166,9 +166,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from molt_algos import LossConfig
-    from molt_train.actor import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
+    from molt_train.model_group import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
     from molt_train.packing import plan_microbatches
-    from molt_train.worker import PolicyWorker
+    from molt_train.model_worker import ModelWorker
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -186,7 +186,7 @@ def main() -> None:
     on_gpu = not args.cpu
     gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else 0
     validate_actor_config(cfg, fsdp, gpus)
-    worker = PolicyWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
+    worker = ModelWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
 
     def sync() -> None:
         if on_gpu:
@@ -234,7 +234,14 @@ def main() -> None:
     tokens = sum(len(s.token_ids) for s in samples)
     results["step_s"] = step_times
     results["tokens_per_s_per_gpu"] = tokens / world / min(step_times)
-    keys = ("policy_loss", "value_loss", "grad_norm", "entropy", "policy_kl", "perf/peak_memory_gb")
+    keys = (
+        "loss/policy",
+        "loss/value",
+        "train/grad_norm",
+        "loss/entropy",
+        "loss/approx_kl",
+        "perf/peak_memory_gb",
+    )
     results.update({k: metrics[k] for k in keys if k in metrics})
 
     # 3. The refit gather: every full tensor, bf16, on every rank.

@@ -170,7 +170,7 @@ def train_step(model, optimizer, batch: dict, args) -> dict:
     return {
         "entropy": (entropy.detach() * mask).sum().item() / mask.sum().item(),
         "grad_norm": grad_norm.item(),
-        "vllm_kl": ((rollout_logprobs - old) * mask).sum().item() / mask.sum().item(),
+        "is/vllm_kl": ((rollout_logprobs - old) * mask).sum().item() / mask.sum().item(),
     }
 
 
@@ -242,7 +242,7 @@ def main() -> None:
         curve.append(sum(batch["rewards"]) / len(batch["rewards"]))
         halves = " ".join(f"{label} {label_mean(batch, label):.2f}" for label in HALVES)
         print(f"step {step:3d}  reward {curve[-1]:.3f} ({halves})  entropy {stats['entropy']:.2f}  "
-              f"grad_norm {stats['grad_norm']:.2f}  vllm_kl {stats['vllm_kl']:+.1e}  "
+              f"grad_norm {stats['grad_norm']:.2f}  is/vllm_kl {stats['is/vllm_kl']:+.1e}  "
               f"e.g. {batch['texts'][0]!r}  {time.monotonic() - start:.0f}s")  # fmt: skip
         if args.eval_every and (step + 1) % args.eval_every == 0:
             pass_at_1 = evaluate(model, tokenizer, eval_rows, args)

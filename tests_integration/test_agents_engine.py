@@ -13,7 +13,7 @@ import pytest
 from molt_rollout import RunnerConfig
 from molt_rollout.data import PromptSource
 from molt_rollout.pool import PoolConfig, RolloutPool
-from molt_rollout.runners import RunnerGroup, RunnersConfig
+from molt_rollout.runner_actors import RunnerActors, RunnersConfig
 
 AGENTS = Path(__file__).parent / "agents"
 ROWS = [
@@ -24,9 +24,9 @@ ROWS = [
 ]  # fmt: skip
 
 
-def make_runners(rollout, tiny_model, agent: str, **runner_kwargs) -> RunnerGroup:
+def make_runners(rollout, tiny_model, agent: str, **runner_kwargs) -> RunnerActors:
     config = RunnerConfig(temperature=1.0, max_tokens=8, max_len=512, **runner_kwargs)
-    return RunnerGroup(RunnersConfig(num_runners=1), str(AGENTS / agent), tiny_model,
+    return RunnerActors(RunnersConfig(num_runners=1), str(AGENTS / agent), tiny_model,
                        rollout.router.url, config, request_timeout_s=120, max_retries=2)  # fmt: skip
 
 
@@ -182,5 +182,5 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
 def test_runners_the_cluster_cannot_place_fail_with_the_flags(ray_cluster, tiny_model):
     cfg = RunnersConfig(num_runners=1, cpus_per_runner=64, startup_timeout_s=3)
     with pytest.raises(RuntimeError, match="--rollout.cpus_per_runner = 64"):
-        RunnerGroup(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, "http://127.0.0.1:9",
+        RunnerActors(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, "http://127.0.0.1:9",
                     RunnerConfig(), request_timeout_s=10, max_retries=0)  # fmt: skip

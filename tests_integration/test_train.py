@@ -24,8 +24,8 @@ FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "Fa
 STEP_METRICS = [
     "rollout/reward_mean", "rollout/reward_std", "rollout/group_reward_std_mean",
     "rollout/zero_std_groups", "rollout/response_length_mean", "rollout/truncated_rate",
-    "policy_loss", "policy_clip_ratio", "policy_kl", "vllm_kl", "is_filter_ratio", "grad_norm",
-    "lr", "pool/version_lag_mean", "pool/version_lag_max", "pool/mixed_version_rollouts",
+    "loss/policy", "loss/clip_frac", "loss/approx_kl", "is/vllm_kl", "is/filter_ratio",
+    "train/grad_norm", "train/lr", "pool/version_lag_mean", "pool/version_lag_max", "pool/mixed_version_rollouts",
     "pool/occupancy", "pool/wait_s", "timing/generation", "timing/policy_train",
     "timing/broadcast", "timing/step_total", "perf/train_tokens_per_sec", "perf/peak_memory_gb",
 ]  # fmt: skip
@@ -68,7 +68,7 @@ def test_quickstart_learns(tmp_path, agent):
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert {"prompt", "response", "reward", "version_lag"} <= set(samples[-1])
     # Tokens sampled by the weights being trained: the engines sample exactly that policy.
-    mismatch = [r["vllm_kl"] for r in rows if r["vllm_kl"] is not None]
+    mismatch = [r["is/vllm_kl"] for r in rows if r["is/vllm_kl"] is not None]
     assert mismatch and max(abs(kl) for kl in mismatch) < 1e-3, mismatch
     assert all(r["pool/version_lag_max"] <= 2 for r in rows)  # --train.max_staleness
     assert "checkpoints" in out.stdout and (run / "tensorboard").is_dir()
@@ -87,7 +87,7 @@ def test_rollouts_spanning_versions_are_trained(tmp_path):
                "--train.max_staleness", "None")  # fmt: skip
     rows = metrics(run)
     assert max(r["pool/mixed_version_rollouts"] for r in rows) > 0
-    assert all(r["off_policy_kl"] is not None and "is_ratio_mean" in r for r in rows)
+    assert all(r["is/off_policy_kl"] is not None and "is/ratio_mean" in r for r in rows)
 
 
 def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
@@ -131,8 +131,8 @@ def test_gae_critic_with_reference_kl(tmp_path):
                "--algo.dynamic_filtering_enable", "True")  # fmt: skip
     rows = metrics(run)
     assert all("critic/value_loss" in r for r in rows), rows[0].keys()
-    assert all(r["ref_kl"] >= 0 and r["loss/ref_kl"] >= 0 for r in rows)
-    assert all(r["critic/value_loss"] > 0 and r["kl_coef"] == 0.01 for r in rows)
+    assert all(r["ref/kl"] >= 0 and r["loss/ref_kl"] >= 0 for r in rows)
+    assert all(r["critic/loss/value"] > 0 and r["ref/kl_coef"] == 0.01 for r in rows)
     # Without partial rollouts no rollout spans two weight versions.
     assert all(r["pool/mixed_version_rollouts"] == 0 for r in rows)
     assert all("pool/filtered_groups" in r for r in rows)
@@ -142,7 +142,7 @@ def test_sft_lowers_the_loss(tmp_path):
     run = tmp_path / "sft"
     molt_train(run, "sft", "--logger.wandb_mode", "disabled", "--train.epochs", "3")
     rows = metrics(run)
-    assert rows[-1]["policy_loss"] < 0.7 * rows[0]["policy_loss"]
+    assert rows[-1]["loss/policy"] < 0.7 * rows[0]["loss/policy"]
     assert (run / "hf_policy" / "config.json").exists()
 
 

@@ -18,21 +18,20 @@ from molt_capture.testing import (
     tool_call_text,
 )
 from molt_rollout.agent import (
-    AgentLoadError,
     ChatContext,
     Dropped,
     Result,
     RolloutDropped,
-    RunnerConfig,
     canonical_tools,
     check_result,
-    load_agent,
     numeric_info,
     row_messages,
     within_deadline,
 )
 from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.config import RolloutConfig
 from molt_rollout.env_runner import EnvRunner
+from molt_rollout.loader import AgentLoadError, load_agent
 
 ENV_AGENT = """
 from molt_rollout.agent import Env, Result
@@ -289,7 +288,7 @@ def test_docs_examples_run(name, tmp_path, tokenizer):
     runner_class = load_agent(write(tmp_path, files[name], name))
     replies = [tool_call_text("add", {"a": 17, "b": 25}), "The answer is 42."]
     gen = FakeGenerator(tokenizer, replies)
-    runner = runner_class(gen, tokenizer, RunnerConfig(deadline_s=20))
+    runner = runner_class(gen, tokenizer, RolloutConfig(deadline_s=20))
     try:
         rollout = asyncio.run(runner.run(DOC_ROW, rollout_id="r0", group_id="g0"))
     finally:

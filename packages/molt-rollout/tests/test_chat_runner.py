@@ -26,9 +26,9 @@ from molt_rollout.agent import (
     Env,
     Result,
     RolloutDropped,
-    RunnerConfig,
 )
 from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.config import RolloutConfig
 from molt_rollout.env_runner import EnvRunner
 
 # Tool schema keys deliberately out of the wire order: both forms must still agree.
@@ -68,7 +68,7 @@ def make_runner(tokenizer):
 
         Runner.agent_class = agent_class
         config.setdefault("generator_timeout_s", 10)
-        runner = Runner(FakeGenerator(tokenizer, replies), tokenizer, RunnerConfig(**config))
+        runner = Runner(FakeGenerator(tokenizer, replies), tokenizer, RolloutConfig(**config))
         runners.append(runner)
         return runner, runner.generator
 
@@ -374,7 +374,7 @@ def test_agent_can_drop_on_purpose(make_runner):
 
 def test_with_sampling_shares_the_capture_server(make_runner):
     runner, gen = make_runner(OpenAIStreamingAgent, temperature=1.0)
-    sibling = runner.with_sampling(RunnerConfig(temperature=0.25, max_tokens=7))
+    sibling = runner.with_sampling(RolloutConfig(temperature=0.25, max_tokens=7))
     assert run(sibling).segments and run(runner).reward == 1.0  # 7 tokens: a cut reply
     assert sibling.server is runner.server  # one capture server per runner process
     eval_call, train_call = gen.calls

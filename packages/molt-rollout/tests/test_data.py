@@ -12,8 +12,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import ADD_TOOL, FakeGenerator, build_tiny_tokenizer
-from molt_rollout.agent import ChatAgent, Env, Result, RunnerConfig
+from molt_rollout.agent import ChatAgent, Env, Result
 from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.config import RolloutConfig
 from molt_rollout.data import (
     DataConfig,
     PromptSource,
@@ -280,7 +281,7 @@ def test_loaded_row_gives_both_forms_identical_prompt_tokens(tmp_path, tokenizer
     prompts = []
     for runner_class in (EnvForm, ChatForm):
         gen = FakeGenerator(tokenizer, ["x"])
-        runner = runner_class(gen, tokenizer, RunnerConfig(generator_timeout_s=10))
+        runner = runner_class(gen, tokenizer, RolloutConfig(generator_timeout_s=10))
         try:
             asyncio.run(runner.run(row, rollout_id="r0", group_id="g0"))
         finally:

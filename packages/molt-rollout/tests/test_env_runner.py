@@ -24,9 +24,9 @@ from molt_rollout.agent import (
     EnvState,
     Result,
     RolloutDropped,
-    RunnerConfig,
     row_messages,
 )
+from molt_rollout.config import RolloutConfig
 from molt_rollout.env_runner import EnvRunner
 
 ROW = {
@@ -47,13 +47,13 @@ def tokenizer(tmp_path_factory):
     )
 
 
-def make_runner(tokenizer, env_class, replies, **config):
+def make_runner(tokenizer, env_class, replies, apply_chat_template=True, **config):
     class Runner(EnvRunner):
         pass
 
     Runner.env_class = env_class
     gen = FakeGenerator(tokenizer, replies)
-    return Runner(gen, tokenizer, RunnerConfig(**config)), gen
+    return Runner(gen, tokenizer, RolloutConfig(**config), apply_chat_template), gen
 
 
 def run(runner, row=ROW, rollout_id="r0"):
@@ -238,7 +238,7 @@ def test_last_reward_instead_of_sum(tokenizer):
             return rewards[-1] * 10
 
     gen = FakeGenerator(tokenizer, ["Hi."])
-    rollout = run(LastReward(gen, tokenizer, RunnerConfig(max_turns=3)))
+    rollout = run(LastReward(gen, tokenizer, RolloutConfig(max_turns=3)))
     assert rollout.reward == 10.0
 
 
@@ -334,7 +334,7 @@ def test_env_can_drop_on_purpose(tokenizer):
 
 def test_with_sampling_changes_only_the_sampling(tokenizer):
     runner, gen = make_runner(tokenizer, ExactAnswer, ["The answer is 3."], temperature=1.0)
-    sibling = runner.with_sampling(RunnerConfig(temperature=0.25, max_tokens=7))
+    sibling = runner.with_sampling(RolloutConfig(temperature=0.25, max_tokens=7))
     run(sibling)
     run(runner)
     eval_call, train_call = gen.calls

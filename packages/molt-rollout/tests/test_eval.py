@@ -10,11 +10,12 @@ from concurrent.futures import Future
 import pytest
 
 from molt_capture.types import Rollout
-from molt_rollout.agent import Dropped, RunnerConfig
+from molt_rollout.agent import Dropped
+from molt_rollout.config import RolloutConfig
 from molt_rollout.eval import (
     EvalConfig,
     eval_metrics,
-    eval_runner_config,
+    eval_rollout_config,
     pass_at_k,
     pass_ks,
     run_eval,
@@ -130,7 +131,7 @@ def test_eval_config():
     ]:
         with pytest.raises(ValueError, match=flag):
             validate_eval_config(bad)
-    base = RunnerConfig(temperature=1.0, max_tokens=512, max_turns=3)
-    cfg = eval_runner_config(base, EvalConfig(temperature=0.6, top_p=0.95, max_tokens=64))
+    base = RolloutConfig(temperature=1.0, max_tokens=512, max_turns=3)
+    cfg = eval_rollout_config(base, EvalConfig(temperature=0.6, top_p=0.95, max_tokens=64))
     assert (cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.max_turns) == (0.6, 0.95, 64, 3)
-    assert eval_runner_config(base, EvalConfig()).max_tokens == 512  # None: the training's
+    assert eval_rollout_config(base, EvalConfig()).max_tokens == 512  # None: the training's

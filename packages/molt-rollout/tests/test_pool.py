@@ -18,12 +18,11 @@ import pytest
 
 from molt_capture.types import Generation, Rollout, Segment
 from molt_rollout.agent import Dropped
+from molt_rollout.config import RolloutConfig
 from molt_rollout.pool import (
     GroupResult,
-    PoolConfig,
     PromptTask,
     RolloutPool,
-    validate_pool_config,
 )
 
 
@@ -129,8 +128,15 @@ class ThreadLauncher:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
+def make_pool(source, launcher, groups_per_batch, n_samples_per_prompt, stale_policy="drop",
+              **settings) -> RolloutPool:  # fmt: skip
+    rollout = RolloutConfig(groups_per_batch=groups_per_batch,
+                            n_samples_per_prompt=n_samples_per_prompt, stale_policy=stale_policy)  # fmt: skip
+    return RolloutPool(source, launcher, rollout, **settings)
+
+
 def started(source, launcher, **cfg) -> RolloutPool:
-    pool = RolloutPool(source, launcher, PoolConfig(**cfg))
+    pool = make_pool(source, launcher, **cfg)
     pool.start()
     return pool
 
@@ -156,27 +162,6 @@ def trained_versions(batch) -> list[int]:
         for v, t in zip(s.weight_versions, s.trainable, strict=True)
         if t
     ]
-
-
-# ---- configuration ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("changes", "flag"),
-    [
-        ({"groups_per_batch": 0, "max_inflight_groups": 0}, "--rollout.groups_per_batch"),
-        ({"max_inflight_groups": 1}, "max_inflight_groups"),
-        ({"n_samples_per_prompt": 0}, "--rollout.n_samples_per_prompt"),
-        ({"min_rollouts_per_group": 5}, "min_rollouts_per_group"),
-        ({"max_staleness": -1}, "--train.max_staleness"),
-        ({"stale_policy": "keep"}, "--rollout.stale_policy"),
-    ],
-)
-def test_validate_names_the_flag(changes, flag):
-    cfg = dict(groups_per_batch=2, max_inflight_groups=4, n_samples_per_prompt=4)
-    validate_pool_config(PoolConfig(**cfg))
-    with pytest.raises(ValueError, match=flag):
-        validate_pool_config(PoolConfig(**(cfg | changes)))
 
 
 # ---- streaming ----------------------------------------------------------------------------
@@ -208,10 +193,12 @@ def test_keeps_k_outstanding_emits_at_b_and_carries_surplus():
 
 def test_filtered_group_is_counted_and_backfilled():
     launcher = ManualLauncher()
-    pool = RolloutPool(
+    pool = make_pool(
         ListSource(100),
         launcher,
-        PoolConfig(groups_per_batch=1, max_inflight_groups=2, n_samples_per_prompt=3),
+        groups_per_batch=1,
+        max_inflight_groups=2,
+        n_samples_per_prompt=3,
         group_filter=lambda g: len({r.reward for r in g.rollouts}) > 1,  # reward std > 0
     )
     pool.start()
@@ -274,10 +261,12 @@ def test_a_raising_filter_stops_the_pool():
         raise KeyError("reward_std")
 
     launcher = ManualLauncher()
-    pool = RolloutPool(
+    pool = make_pool(
         ListSource(100),
         launcher,
-        PoolConfig(groups_per_batch=1, max_inflight_groups=1, n_samples_per_prompt=2),
+        groups_per_batch=1,
+        max_inflight_groups=1,
+        n_samples_per_prompt=2,
         group_filter=bad_filter,
     )
     pool.start()
@@ -429,7 +418,7 @@ def test_exactly_once_across_export_and_import_mid_run():
     launcher.close()
 
     launcher = ThreadLauncher(max_delay_s=0.01, seed=2)
-    pool = RolloutPool(ListSource(40), launcher, PoolConfig(**cfg))
+    pool = make_pool(ListSource(40), launcher, **cfg)
     pool.load_state_dict(state)
     pool.start()
     with pytest.raises(StopIteration):
@@ -463,7 +452,7 @@ def test_synchronous_resume_reproduces_the_prompt_order(force_on_policy):
         state = pool.state_dict()
     launcher.close()
     launcher = ThreadLauncher(seed=5)
-    with RolloutPool(ListSource(100), launcher, PoolConfig(**cfg)) as pool:
+    with make_pool(ListSource(100), launcher, **cfg) as pool:
         pool.load_state_dict(state)
         pool.start()
         with pytest.raises(RuntimeError, match="before start"):

@@ -10,16 +10,18 @@ import math
 import pytest
 import torch
 
-from molt_algos import LossConfig
-from molt_train.actor import (
+from molt_algos import KLConfig, LossConfig
+from molt_train.actor_config import (
     ActorConfig,
-    ActorGroup,
     FSDPConfig,
     OptimConfig,
     lr_at,
     router_params,
     validate_actor_config,
+    validate_actor_devices,
 )
+from molt_train.config import AlgoConfig
+from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
 # eps well above the fp32 noise of the tiniest gradients, whose Adam update g / (|g| + eps)
@@ -34,6 +36,7 @@ OPTIM = OptimConfig(
     eps=1e-5,
 )
 PPO_WIDE = LossConfig(clip_low=0.2, clip_high=10.0)  # no clipping in a few steps
+KL_AND_ENTROPY = AlgoConfig(loss=PPO_WIDE, kl=KLConfig(loss_coef=0.01), entropy_coef=1e-3)
 
 
 def config(tiny_model: str, num_workers: int, **overrides) -> ActorConfig:
@@ -76,7 +79,7 @@ def hf_model(tiny_model):
 
 @pytest.fixture(scope="module")
 def policy(ray_cluster, tiny_model):
-    group = ActorGroup(config(tiny_model, 2), FSDPConfig(), on_gpu=False)
+    group = ModelGroup(config(tiny_model, 2), FSDPConfig(), on_gpu=False)
     yield group
     group.shutdown()
 
@@ -91,30 +94,31 @@ def reference_logprobs(model, sample: Sample) -> list[float]:
 
 def test_validate_actor_config_names_the_flags():
     ok = ActorConfig(num_workers=4)
-    validate_actor_config(ok, FSDPConfig(), None)
-    validate_actor_config(ok, FSDPConfig(tp_size=2, ep_size=2), 8)
-    validate_actor_config(ok, FSDPConfig(tp_size=2), None)  # devices unknown yet (before Ray)
+    validate_actor_config(ok, FSDPConfig())
+    validate_actor_config(ok, FSDPConfig(tp_size=2))  # devices unknown yet (before Ray)
+    validate_actor_devices(ok, FSDPConfig(tp_size=2, ep_size=2), 8)
     cases = [
-        (ok, FSDPConfig(tp_size=3), 8, "--fsdp.tp_size"),
-        (ok, FSDPConfig(tp_size=2), 0, "need GPUs"),
-        (ok, FSDPConfig(ep_size=2), 0, "need GPUs"),
-        (ok, FSDPConfig(cp_size=2), 8, "--fsdp.cp_size"),
-        (ok, FSDPConfig(offload="params"), None, "--fsdp.offload"),
-        (ok, FSDPConfig(), 2, "exceeds the 2 GPUs"),
-        (ActorConfig(optim=OptimConfig(schedule="cosine")), FSDPConfig(), None, "total_steps"),
-        (ActorConfig(optim=OptimConfig(schedule="step")), FSDPConfig(), None, "schedule"),
-        (ActorConfig(optim=OptimConfig(lr=1e-6, min_lr=1e-5)), FSDPConfig(), None, "min_lr"),
+        (ok, FSDPConfig(tp_size=3), "--fsdp.tp_size"),
+        (ok, FSDPConfig(cp_size=2), "--fsdp.cp_size"),
+        (ActorConfig(optim=OptimConfig(schedule="cosine")), FSDPConfig(), "total_steps"),
+        (ActorConfig(optim=OptimConfig(lr=1e-6, min_lr=1e-5)), FSDPConfig(), "min_lr"),
         (
             ActorConfig(optim=OptimConfig(warmup_steps=5, total_steps=5, schedule="linear")),
             FSDPConfig(),
-            None,
             "total_steps must exceed",
         ),
-        (ActorConfig(dtype="fp8"), FSDPConfig(), None, "--actor.dtype"),
     ]
-    for actor, fsdp, gpus, message in cases:
+    for actor, fsdp, message in cases:
         with pytest.raises(ValueError, match=message):
-            validate_actor_config(actor, fsdp, gpus)
+            validate_actor_config(actor, fsdp)
+    device_cases = [
+        (FSDPConfig(tp_size=2), 0, "need GPUs"),
+        (FSDPConfig(ep_size=2), 0, "need GPUs"),
+        (FSDPConfig(), 2, "exceeds the 2 GPUs"),
+    ]
+    for fsdp, gpus, message in device_cases:
+        with pytest.raises(ValueError, match=message):
+            validate_actor_devices(ok, fsdp, gpus)
 
 
 def test_lr_schedule_shapes():
@@ -179,29 +183,35 @@ def test_two_workers_step_like_one_worker(policy, tiny_model, hf_model):
         # Every other sample had ratio e^0.3 > 1 + clip_high: PPO clips its tokens.
         shift = 0.3 if i % 2 else 0.05
         sample.old_logprobs = [v - shift * m for v, m in zip(values, sample.loss_mask, strict=True)]
-    single = ActorGroup(
+    single = ModelGroup(
         config(tiny_model, 1, max_tokens_per_microbatch=40), FSDPConfig(), on_gpu=False
     )
     try:
-        one = single.train_step(samples, "ppo", LossConfig())
+        one = single.train_step(samples, AlgoConfig())
         one_state = single.full_state()
     finally:
         single.shutdown()
-    two = policy.train_step(samples, "ppo", LossConfig())
+    two = policy.train_step(samples, AlgoConfig())
     two_state = policy.full_state()
 
-    for key in ("policy_loss", "grad_norm", "policy_clip_ratio", "policy_kl", "entropy"):
+    for key in (
+        "loss/policy",
+        "train/grad_norm",
+        "loss/clip_frac",
+        "loss/approx_kl",
+        "loss/entropy",
+    ):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     assert two["train/tokens"] == sum(s.num_trained for s in samples)
-    assert two["lr"] == pytest.approx(lr_at(0, OPTIM))
-    assert 0 < two["policy_clip_ratio"] < 1
+    assert two["train/lr"] == pytest.approx(lr_at(0, OPTIM))
+    assert 0 < two["loss/clip_frac"] < 1
     for name, tensor in one_state["model"].items():
         torch.testing.assert_close(two_state["model"][name], tensor, atol=1e-6, rtol=0)
         assert not torch.equal(tensor, hf_model.state_dict()[name]), f"{name} did not move"
 
     exp_avg = torch.cat([s["exp_avg"].flatten() for s in two_state["optim"]["state"].values()])
-    assert two["grad_norm"] > OPTIM.max_grad_norm  # the clip was active
-    clipped = min(two["grad_norm"], OPTIM.max_grad_norm)
+    assert two["train/grad_norm"] > OPTIM.max_grad_norm  # the clip was active
+    clipped = min(two["train/grad_norm"], OPTIM.max_grad_norm)
     assert exp_avg.norm().item() == pytest.approx((1 - OPTIM.betas[0]) * clipped, rel=1e-4)
 
 
@@ -216,14 +226,16 @@ def test_training_raises_chosen_logprobs_and_follows_the_schedule(policy, hf_mod
         sample.ref_logprobs = values
     losses, lrs = [], []
     for _ in range(6):  # optimizer steps 1..6 of this group (step 0 ran in the previous test)
-        metrics = policy.train_step(samples, "ppo", PPO_WIDE, kl_loss_coef=0.01, entropy_coef=1e-3)
-        losses.append(metrics["policy_loss"])
-        lrs.append(metrics["lr"])
+        metrics = policy.train_step(samples, KL_AND_ENTROPY)
+        losses.append(metrics["loss/policy"])
+        lrs.append(metrics["train/lr"])
     assert lrs == pytest.approx([lr_at(step, OPTIM) for step in range(1, 7)])
     assert lrs[-1] == pytest.approx(OPTIM.min_lr)
     assert losses[-1] < losses[0] < 0
     assert (
-        metrics["loss/ref_kl"] > 0 and "entropy" in metrics and metrics["perf/peak_memory_gb"] > 0
+        metrics["loss/ref_kl"] > 0
+        and "loss/entropy" in metrics
+        and metrics["perf/peak_memory_gb"] > 0
     )
     after = policy.forward_logprobs(samples)
     gain = [
@@ -236,7 +248,7 @@ def test_training_raises_chosen_logprobs_and_follows_the_schedule(policy, hf_mod
 
 
 def test_critic_learns_returns(ray_cluster, tiny_model, hf_model):
-    critic = ActorGroup(
+    critic = ModelGroup(
         config(tiny_model, 1, optim=OptimConfig(lr=3e-4)), FSDPConfig(), role="critic", on_gpu=False
     )
     try:
@@ -252,7 +264,7 @@ def test_critic_learns_returns(ray_cluster, tiny_model, hf_model):
             if not m
         )
         losses = [
-            critic.train_step(samples, "", LossConfig(), value_clip=None)["value_loss"]
+            critic.train_step(samples, AlgoConfig(), value_clip=None)["loss/value"]
             for _ in range(4)
         ]
         assert losses[-1] < 0.2 * losses[0]
@@ -271,11 +283,9 @@ def test_sft_trains_the_negative_log_likelihood(policy, hf_model):
         for v, m in zip(row, s.loss_mask, strict=True)
         if m
     ]
-    first = policy.train_step(samples, "sft", None)
-    assert first["policy_loss"] == pytest.approx(-sum(trained) / len(trained), abs=1e-5)
-    assert policy.train_step(samples, "sft", None)["policy_loss"] < first["policy_loss"]
-    with pytest.raises(ValueError, match="unknown policy loss"):
-        policy.train_step(samples, "dpo", LossConfig())
+    first = policy.train_step(samples, AlgoConfig(), sft=True)
+    assert first["loss/policy"] == pytest.approx(-sum(trained) / len(trained), abs=1e-5)
+    assert policy.train_step(samples, AlgoConfig(), sft=True)["loss/policy"] < first["loss/policy"]
 
 
 def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
@@ -295,7 +305,7 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
     steps, states = [], []
     for checkpointing in (False, True):
         cfg = config(moe, 1, gradient_checkpointing=checkpointing, freeze_moe_router=True)
-        group = ActorGroup(cfg, FSDPConfig(), on_gpu=False, routing_replay=True)
+        group = ModelGroup(cfg, FSDPConfig(), on_gpu=False, routing_replay=True)
         try:
             replayed = group.forward_logprobs(samples)
             plain = [Sample(s.token_ids, s.loss_mask, s.temperature) for s in samples]
@@ -303,11 +313,11 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
             for sample, values in zip(samples, replayed, strict=True):
                 sample.old_logprobs = values
             initial = group.full_state()["model"]
-            steps.append(group.train_step(samples, "ppo", PPO_WIDE))
+            steps.append(group.train_step(samples, AlgoConfig(loss=PPO_WIDE)))
             states.append(group.full_state())
         finally:
             group.shutdown()
-    for key in ("policy_loss", "grad_norm", "entropy"):
+    for key in ("loss/policy", "train/grad_norm", "loss/entropy"):
         assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-6), key
     routers = router_params(list(initial))
     assert routers == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]

@@ -2,7 +2,7 @@
 
 The directory logic is checked with a stand-in actor group that writes one file (isolated from
 the actor: CheckpointManager only calls save/load on it); `test_resume_is_exact` is its real
-counterpart with a two-worker ActorGroup.
+counterpart with a two-worker ModelGroup.
 """
 
 import json
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_algos import LossConfig
-from molt_train.actor import ActorConfig, ActorGroup, FSDPConfig, OptimConfig
+from molt_train.actor_config import ActorConfig, FSDPConfig, OptimConfig
 from molt_train.checkpoint import CheckpointManager
+from molt_train.config import AlgoConfig
+from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
 
@@ -98,22 +99,22 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
     )
     samples = make_samples(AutoTokenizer.from_pretrained(tiny_model).vocab_size)
     manager = CheckpointManager(str(tmp_path / "ckpt"))
-    group = ActorGroup(cfg, FSDPConfig(), on_gpu=False)
+    group = ModelGroup(cfg, FSDPConfig(), on_gpu=False)
     try:
-        group.train_step(samples, "ppo", LossConfig())
+        group.train_step(samples, AlgoConfig())
         path = manager.save(1, {"policy": group}, {"step": 1})
         saved = group.full_state()
-        expected = group.train_step(samples, "ppo", LossConfig())
+        expected = group.train_step(samples, AlgoConfig())
         after = group.full_state()
     finally:
         group.shutdown()
 
-    resumed = ActorGroup(cfg, FSDPConfig(), on_gpu=False)
+    resumed = ModelGroup(cfg, FSDPConfig(), on_gpu=False)
     try:
         assert manager.load(manager.latest(), {"policy": resumed}) == {"step": 1}
         assert manager.latest() == path
         assert_same_state(resumed.full_state(), saved)
-        metrics = resumed.train_step(samples, "ppo", LossConfig())
+        metrics = resumed.train_step(samples, AlgoConfig())
         # Everything but the process's memory peak; lr (warmup step 2 of 3): the scheduler resumed.
         for metrics_ in (metrics, expected):
             metrics_.pop("perf/peak_memory_gb")

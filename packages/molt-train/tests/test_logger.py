@@ -25,9 +25,9 @@ from molt_train.logger import (
 from molt_train.metrics import rollout_metrics, sample_rows
 
 STEPS = {
-    1: {"rollout/reward_mean": 0.25, "policy_loss": -0.5, "timing/step_total": 3.0},
-    2: {"rollout/reward_mean": 0.75, "policy_loss": float("nan"), "eval/pass@1": 0.5},
-    3: {"rollout/reward_mean": float("inf"), "vllm_kl": 1.5e-4},
+    1: {"rollout/reward_mean": 0.25, "loss/policy": -0.5, "timing/step_total": 3.0},
+    2: {"rollout/reward_mean": 0.75, "loss/policy": float("nan"), "eval/pass@1": 0.5},
+    3: {"rollout/reward_mean": float("inf"), "is/vllm_kl": 1.5e-4},
 }
 
 
@@ -48,8 +48,8 @@ def test_jsonl_rows_keep_non_finite_values_as_null(tmp_path):
     assert all(isinstance(row.pop("time"), float) for row in rows)
     assert rows == [
         STEPS[1],
-        {"rollout/reward_mean": 0.75, "policy_loss": None, "eval/pass@1": 0.5},
-        {"rollout/reward_mean": None, "vllm_kl": 1.5e-4},
+        {"rollout/reward_mean": 0.75, "loss/policy": None, "eval/pass@1": 0.5},
+        {"rollout/reward_mean": None, "is/vllm_kl": 1.5e-4},
     ]
 
 
@@ -67,8 +67,8 @@ def test_tensorboard_events_read_back(tmp_path):
     rewards = events.Scalars("rollout/reward_mean")
     assert [e.step for e in rewards] == [1, 2, 3]
     assert [e.value for e in rewards[:2]] == [0.25, 0.75] and math.isinf(rewards[2].value)
-    assert [(e.step, e.value) for e in events.Scalars("policy_loss")][0] == (1, -0.5)
-    assert math.isnan(events.Scalars("policy_loss")[1].value)
+    assert [(e.step, e.value) for e in events.Scalars("loss/policy")][0] == (1, -0.5)
+    assert math.isnan(events.Scalars("loss/policy")[1].value)
     assert [(e.step, e.value) for e in events.Scalars("eval/pass@1")] == [(2, 0.5)]
     (config,) = events.Tensors("config/text_summary")
     assert config.tensor_proto.string_val[0].decode() == '    {\n      "lr": 1e-06\n    }'
@@ -127,8 +127,8 @@ def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path):
     rows, exit_code = read_wandb_run(paths["wandb"])
     assert exit_code == 0
     by_step = {row["_step"]: row for row in rows}
-    assert by_step[1]["rollout/reward_mean"] == 0.25 and by_step[1]["policy_loss"] == -0.5
-    assert by_step[2]["eval/pass@1"] == 0.5 and by_step[3]["vllm_kl"] == 1.5e-4
+    assert by_step[1]["rollout/reward_mean"] == 0.25 and by_step[1]["loss/policy"] == -0.5
+    assert by_step[2]["eval/pass@1"] == 0.5 and by_step[3]["is/vllm_kl"] == 1.5e-4
     # A logged Table is a reference to a file in the run folder (nested keys joined by "/").
     assert by_step[3]["samples/_type"] == "table-file" and by_step[3]["samples/nrows"] == 1
     (table,) = glob.glob(os.path.join(paths["wandb"], "files/media/table/samples_3_*.json"))
@@ -286,7 +286,7 @@ def hand_computed_batch() -> list[Rollout]:
 
 
 def test_rollout_metrics_on_a_hand_computed_batch():
-    metrics = rollout_metrics(hand_computed_batch(), {"deadline": 2, "agent_error": 1})
+    metrics = rollout_metrics(hand_computed_batch())
     # Rewards 1, 0 | 1, 1 | 0.5: group stds 0.5, 0, 0; population std of all five is 0.4.
     assert metrics == pytest.approx(
         {
@@ -306,14 +306,12 @@ def test_rollout_metrics_on_a_hand_computed_batch():
             "rollout/info/tool_calls": 3.0,  # over the rollouts that report it
             "rollout/info/solved": 1.0,
             "rollout/time/total": 3.0,
-            "rollout/dropped/deadline": 2.0,
-            "rollout/dropped/agent_error": 1.0,
         }
     )
 
 
 def test_rollout_metrics_of_an_all_dropped_batch():
-    assert rollout_metrics([], {"deadline": 3}) == {"rollout/dropped/deadline": 3.0}
+    assert rollout_metrics([]) == {}
 
 
 @pytest.fixture(scope="module")

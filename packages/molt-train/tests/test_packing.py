@@ -124,7 +124,7 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
     detection, sdpa on CPU), or padded rows: every sequence gets exactly its solo log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from molt_train.worker import packed_token_stats, packs_sequences
+    from molt_train.model_worker import packed_token_stats, packs_sequences
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.packing import Sample, pack
-from molt_train.routing import (
+from molt_train.routing_replay import (
     install_replay_hooks,
     microbatch_routing,
     moe_routers,

@@ -11,24 +11,23 @@ from molt_algos.advantages import (
     AdvantageBatch,
     AdvantageConfig,
     Advantages,
+    EstimatorName,
     compute_advantages,
     validate_advantage_config,
 )
-from molt_algos.aggregation import AGGREGATIONS, aggregate
+from molt_algos.aggregation import AGGREGATIONS, AggregationName, aggregate
 from molt_algos.correction import (
     IS_LEVELS,
     IS_MODES,
     Correction,
-    ISConfig,
     importance_correction,
-    staleness_mask,
-    validate_is_config,
+    validate_is_correction,
 )
-from molt_algos.filtering import GroupFilter, dynamic_group_filter, mean_pass_at_k, pass_at_k
 from molt_algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    KLConfig,
     kl_controller,
     kl_estimate,
 )
@@ -37,9 +36,11 @@ from molt_algos.losses import (
     POLICY_LOSSES,
     LossConfig,
     PolicyLoss,
+    PolicyLossName,
     validate_loss_config,
     value_loss,
 )
+from molt_algos.masked import safe_log_ratio
 
 __version__ = "0.1.0"
 
@@ -58,23 +59,22 @@ __all__ = [
     "Advantages",
     "Correction",
     "FixedKLController",
-    "GroupFilter",
-    "ISConfig",
+    "AggregationName",
+    "EstimatorName",
+    "KLConfig",
+    "PolicyLossName",
     "LossConfig",
     "PolicyLoss",
     "aggregate",
     "compute_advantages",
-    "dynamic_group_filter",
     "importance_correction",
     "kl_controller",
     "kl_estimate",
     "logprobs_from_logits",
-    "mean_pass_at_k",
-    "pass_at_k",
-    "staleness_mask",
+    "safe_log_ratio",
     "token_logprobs_and_entropy",
     "validate_advantage_config",
-    "validate_is_config",
+    "validate_is_correction",
     "validate_loss_config",
     "value_loss",
 ]

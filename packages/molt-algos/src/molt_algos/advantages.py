@@ -13,6 +13,7 @@ is selected by name through `ADVANTAGE_ESTIMATORS`.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -32,14 +33,26 @@ class AdvantageBatch:
     teacher_logprobs: Tensor | None = None  # [B, T] teacher log-probs of the same tokens (distill)
 
 
+EstimatorName = Literal[
+    "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"
+]  # the keys of ADVANTAGE_ESTIMATORS, for typed configs
+
+
 @dataclass
 class AdvantageConfig:
-    kl_coef: float = 0.0  # beta of KL in reward: reinforce, reinforce_baseline, gae only
+    """The estimator and its parameters, and the train/rollout IS correction
+    (`--algo.advantage.*`; the correction is molt_algos.correction)."""
+
+    estimator: EstimatorName = "grpo"  # the advantage estimator (docs/algorithms.md)
     gamma: float = 1.0  # discount per action token (reinforce, reinforce_baseline, gae)
     lam: float = 1.0  # GAE lambda
-    whiten: bool = True  # batch whitening over action tokens (reinforce, reinforce_baseline, gae)
+    whiten: bool = True  # batch-whiten advantages over action tokens (reinforce*, gae)
     eps: float = 1e-6  # added to standard deviations (grpo, whitening)
-    distill_coef: float = 1.0  # beta of on_policy_distill
+    kl_coef: float = 0.0  # KL to the reference in the reward (reinforce*, gae only)
+    distill_coef: float = 1.0  # on_policy_distill: weight of the teacher log-ratio
+    is_correction_level: Literal["off", "token", "seq", "geo"] = "token"  # what is compared
+    is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"  # outside the band
+    is_correction_threshold: float = 2.0  # the ratio band [1/threshold, threshold]
 
 
 @dataclass
@@ -56,8 +69,10 @@ KL_IN_REWARD_ESTIMATORS = {"reinforce", "reinforce_baseline", "gae"}
 GROUP_ESTIMATORS = {"reinforce_baseline", "rloo", "grpo", "dr_grpo"}
 
 
-def validate_advantage_config(estimator: str, cfg: AdvantageConfig) -> None:
-    """Raise ValueError on an unknown estimator or a setting it cannot honour."""
+def validate_advantage_config(cfg: AdvantageConfig) -> None:
+    """Raise ValueError on an unknown estimator or a setting it cannot honour (the IS
+    correction's settings: molt_algos.correction.validate_is_correction)."""
+    estimator = cfg.estimator
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
@@ -74,9 +89,9 @@ def validate_advantage_config(estimator: str, cfg: AdvantageConfig) -> None:
         raise ValueError(f"eps={cfg.eps} must be positive")
 
 
-def compute_advantages(estimator: str, batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
-    validate_advantage_config(estimator, cfg)
-    return ADVANTAGE_ESTIMATORS[estimator](batch, cfg)
+def compute_advantages(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
+    validate_advantage_config(cfg)
+    return ADVANTAGE_ESTIMATORS[cfg.estimator](batch, cfg)
 
 
 # --- rollouts and groups ----------------------------------------------------------------------
@@ -212,30 +227,28 @@ def _summary(advantages: Tensor, mask: Tensor, **extra: Tensor) -> dict[str, flo
 
 
 def _group_advantages(
-    batch: AdvantageBatch, per_rollout: Tensor, rollouts: _Rollouts, zero_std_groups: Tensor
+    batch: AdvantageBatch, per_rollout: Tensor, rollouts: _Rollouts
 ) -> Advantages:
     advantages = rollouts.broadcast(per_rollout, batch.action_mask)
-    metrics = _summary(advantages, batch.action_mask, zero_std_frac=zero_std_groups)
-    return Advantages(advantages, None, metrics)
+    return Advantages(advantages, None, _summary(advantages, batch.action_mask))
 
 
 def grpo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased (n - 1 denominator).
 
-    A singleton group has std 0 and advantage 0. Metric `advantage/zero_std_frac`: fraction of
-    rollouts whose group has identical rewards (they carry no signal).
+    A singleton group has std 0 and advantage 0.
     """
     rollouts = _Rollouts.from_batch(batch)
     mean, std, _ = rollouts.group_mean_std()
     per_rollout = (rollouts.rewards - mean) / (std + cfg.eps)
-    return _group_advantages(batch, per_rollout, rollouts, (std == 0).float().mean())
+    return _group_advantages(batch, per_rollout, rollouts)
 
 
 def dr_grpo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
     """Dr. GRPO: A_i = R_i - mean_g R. No std division (no difficulty bias), no whitening."""
     rollouts = _Rollouts.from_batch(batch)
-    mean, std, _ = rollouts.group_mean_std()
-    return _group_advantages(batch, rollouts.rewards - mean, rollouts, (std == 0).float().mean())
+    mean, _, _ = rollouts.group_mean_std()
+    return _group_advantages(batch, rollouts.rewards - mean, rollouts)
 
 
 def rloo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
@@ -247,7 +260,7 @@ def rloo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
     mean, std, count = rollouts.group_mean_std()
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
     per_rollout = scale * (rollouts.rewards - mean)
-    return _group_advantages(batch, per_rollout, rollouts, (std == 0).float().mean())
+    return _group_advantages(batch, per_rollout, rollouts)
 
 
 # --- token-level estimators: returns over a rollout's action tokens ---------------------------

@@ -13,6 +13,8 @@ The same contract serves policy, KL, entropy and value losses. Modes are selecte
 through `AGGREGATIONS`.
 """
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
@@ -66,6 +68,7 @@ AGGREGATIONS = {
     "seq-mean-token-mean": seq_mean_token_mean,
     "seq-mean-token-sum": seq_mean_token_sum,
 }
+AggregationName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # the keys
 
 
 def aggregate(

@@ -13,9 +13,22 @@ per-token loss (molt_algos.aggregation).
 """
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+from molt_algos.masked import safe_log_ratio
+
+
+@dataclass
+class KLConfig:
+    """KL to the reference model (`--algo.kl.*`); needs a reference policy."""
+
+    loss_coef: float = 0.0  # weight of the KL loss term (0: no KL loss)
+    estimator: Literal["k1", "k2", "k3"] = "k3"  # per-token estimator of the KL loss term
+    target: float | None = None  # adaptive coefficient of the reward KL toward this KL
+    horizon: float = 10_000.0  # adaptive KL: samples over which the coefficient adapts
 
 
 def kl_estimate(
@@ -23,7 +36,6 @@ def kl_estimate(
     ref_logprobs: Tensor,
     mask: Tensor,
     estimator: str = "k3",
-    log_ratio_limit: float = 20.0,
     kl_limit: float = 10.0,
 ) -> Tensor:
     """Per-token KL estimate [B, T]; 0 outside `mask`. `estimator` is k1, k2 or k3."""
@@ -31,13 +43,7 @@ def kl_estimate(
         raise ValueError(
             f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}"
         )
-    diff = torch.where(
-        mask,
-        logprobs.float() - ref_logprobs.float(),
-        torch.zeros_like(logprobs, dtype=torch.float32),
-    )
-    log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=log_ratio_limit, neginf=-log_ratio_limit)
-    kl = KL_ESTIMATORS[estimator](log_ratio.clamp(-log_ratio_limit, log_ratio_limit))
+    kl = KL_ESTIMATORS[estimator](safe_log_ratio(logprobs, ref_logprobs, mask))
     return torch.where(mask, kl.clamp(-kl_limit, kl_limit), torch.zeros_like(kl))
 
 

@@ -1,4 +1,4 @@
-"""Policy losses, value loss and the shared log-ratio safety.
+"""Policy losses and the value loss.
 
 Every policy loss has the signature
 `(logprobs, old_logprobs, advantages, mask, cfg) -> PolicyLoss` and returns a *per-token*
@@ -10,11 +10,12 @@ Selected by name through `POLICY_LOSSES`.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from molt_algos.masked import masked_mean, to_floats
+from molt_algos.masked import LOG_RATIO_LIMIT, masked_mean, safe_log_ratio, to_floats
 
 
 @dataclass
@@ -22,7 +23,6 @@ class LossConfig:
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.2  # ratio clipped above at 1 + clip_high (clip-higher: raise it)
     dual_clip: float | None = None  # c > 1: PPO loss bounded by c * |A| where A < 0
-    log_ratio_limit: float = 20.0  # |log ratio| clamp before exp, for numerical safety
 
 
 @dataclass
@@ -40,18 +40,6 @@ def validate_loss_config(name: str, cfg: LossConfig) -> None:
         )
     if cfg.dual_clip is not None and (name != "ppo" or cfg.dual_clip <= 1.0):
         raise ValueError(f"dual_clip={cfg.dual_clip} applies to ppo only and must be > 1")
-
-
-def safe_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, limit: float) -> Tensor:
-    """log pi - log pi_old on masked tokens, 0 elsewhere; NaN -> 0 and +-inf -> +-limit, then
-    clamped to [-limit, limit], so exp() of it is finite and masked positions carry no NaN into
-    the gradient."""
-    diff = torch.where(
-        mask,
-        logprobs.float() - old_logprobs.float(),
-        torch.zeros_like(logprobs, dtype=torch.float32),
-    )
-    return torch.nan_to_num(diff, nan=0.0, posinf=limit, neginf=-limit).clamp(-limit, limit)
 
 
 def _zero_outside(values: Tensor, mask: Tensor) -> Tensor:
@@ -79,7 +67,7 @@ def ppo(
     L_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), r_t = pi(y_t) / pi_old(y_t).
     Dual clip (c > 1): where A_t < 0, L_t = min(L_t, -c A_t), bounding the loss of tokens whose
     ratio has grown far past the clip range."""
-    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask, cfg.log_ratio_limit)
+    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask)
     ratio = log_ratio.exp()
     advantages = advantages.float()
     unclipped = ratio * advantages
@@ -103,7 +91,7 @@ def gspo(
     used per token as s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): its value is s_i and its
     gradient s_i * grad log pi(y_t). L_t = -min(s_{i,t} A_t, clip(s_{i,t}, 1 - low, 1 + high) A_t).
     The GSPO paper uses far tighter clip ranges than PPO (e.g. 3e-4 / 4e-4)."""
-    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask, cfg.log_ratio_limit)
+    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask)
     tokens = mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = _zero_outside(log_ratio, mask).sum(-1, keepdim=True) / tokens
     # Value s_i, gradient s_i * grad log pi(y_t): the token's own log-ratio carries the gradient.
@@ -125,16 +113,17 @@ def cispo(
     """CISPO: L_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi(y_t).
     The importance weight is clipped and detached, so no token's gradient is dropped: a
     clipped token still contributes through log pi, with a bounded weight."""
-    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask, cfg.log_ratio_limit)
+    log_ratio = safe_log_ratio(logprobs, old_logprobs, mask)
     ratio = log_ratio.exp()
     weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high).detach()
-    safe_logprobs = torch.nan_to_num(logprobs.float(), neginf=-cfg.log_ratio_limit)
+    safe_logprobs = torch.nan_to_num(logprobs.float(), neginf=-LOG_RATIO_LIMIT)
     loss = -weight * advantages.float() * safe_logprobs
     clipped = weight != ratio.detach()
     return PolicyLoss(_zero_outside(loss, mask), _ratio_metrics(log_ratio, mask, clipped))
 
 
 POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+PolicyLossName = Literal["ppo", "gspo", "cispo"]  # the keys above, for typed configs
 
 
 def value_loss(

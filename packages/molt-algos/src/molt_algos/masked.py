@@ -45,3 +45,21 @@ def to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
         [torch.as_tensor(v, device=device).detach().to(torch.float64) for v in metrics.values()]
     )
     return dict(zip(metrics, stacked.tolist(), strict=True))
+
+
+# |log ratio| bound before exp() in every ratio (losses, IS correction, KL): finite, NaN-free.
+LOG_RATIO_LIMIT = 20.0
+
+
+def safe_log_ratio(
+    logprobs: Tensor, other_logprobs: Tensor, mask: Tensor, limit: float = LOG_RATIO_LIMIT
+) -> Tensor:
+    """log p - log q on masked tokens, 0 elsewhere; NaN -> 0 and +-inf -> +-limit, then clamped
+    to [-limit, limit], so exp() of it is finite and masked positions carry no NaN into the
+    gradient."""
+    diff = torch.where(
+        mask,
+        logprobs.float() - other_logprobs.float(),
+        torch.zeros_like(logprobs, dtype=torch.float32),
+    )
+    return torch.nan_to_num(diff, nan=0.0, posinf=limit, neginf=-limit).clamp(-limit, limit)

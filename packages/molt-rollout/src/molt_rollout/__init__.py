@@ -7,7 +7,6 @@ prompt-group pool (docs/pool.md), the prompt data path and evaluation (docs/data
 """
 
 from molt_rollout.agent import (
-    AgentLoadError,
     ChatAgent,
     ChatContext,
     Dropped,
@@ -15,15 +14,20 @@ from molt_rollout.agent import (
     EnvState,
     Result,
     RolloutDropped,
-    RunnerConfig,
-    load_agent,
 )
 from molt_rollout.chat_runner import ChatRunner
-from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig, validate_rollout_config
+from molt_rollout.config import (
+    RefitConfig,
+    RolloutConfig,
+    RouterConfig,
+    VLLMConfig,
+    validate_rollout_config,
+)
 from molt_rollout.data import DataConfig, PromptSource, load_rows
 from molt_rollout.env_runner import EnvRunner
 from molt_rollout.eval import EvalConfig, eval_metrics, run_eval
-from molt_rollout.pool import Batch, GroupResult, PoolConfig, PromptTask, RolloutPool
+from molt_rollout.loader import AgentLoadError, load_agent
+from molt_rollout.pool import Batch, GroupResult, PromptTask, RolloutPool
 
 __version__ = "0.1.0"
 
@@ -33,7 +37,6 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "GroupResult",
-    "PoolConfig",
     "PromptSource",
     "PromptTask",
     "RolloutPool",
@@ -51,7 +54,7 @@ __all__ = [
     "Result",
     "RolloutDropped",
     "RouterConfig",
-    "RunnerConfig",
+    "RolloutConfig",
     "VLLMConfig",
     "load_agent",
     "validate_rollout_config",

@@ -4,18 +4,14 @@ Two forms. An `Env` lets the framework own the LLM loop: the runner generates, c
 `env.step(state)`, appends the observation and repeats. A `ChatAgent` owns its loop through a
 stock OpenAI or Anthropic SDK pointed at `ctx.base_url` (a capture-server session). Either way the
 agent answers with a `Result`. A user module exports one name, `AgentRunner`: a subclass of
-`EnvRunner` (with `env_class`) or of `ChatRunner` (with `agent_class`). `load_agent` imports and
-checks such a module. See docs/agents.md.
+`EnvRunner` (with `env_class`) or of `ChatRunner` (with `agent_class`). `load_agent`
+(molt_rollout.loader) imports and checks such a module. See docs/agents.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
-import inspect
 import math
-import sys
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,24 +105,6 @@ def _anthropic_tool(fn: dict[str, Any]) -> dict[str, Any]:
         tool["description"] = fn["description"]
     tool["input_schema"] = fn.get("parameters") or {"type": "object", "properties": {}}
     return tool
-
-
-@dataclass
-class RunnerConfig:
-    """Sampling and limits for both runner forms (the Env-only fields say so)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int | None = None  # per turn; None: whatever the budgets leave
-    max_len: int = 4096  # tokens in the whole trace: prompt, replies, observations
-    max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns
-    max_turns: int = 8  # Env: generations per rollout
-    deadline_s: float | None = 600.0  # wall clock per rollout; then it is dropped
-    apply_chat_template: bool = True  # Env: False encodes a string prompt verbatim
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    parser: str = "qwen3"  # reply markup family (molt_capture.PARSERS)
-    model_name: str = "molt-policy"  # ChatAgent: what the server calls the model
-    generator_timeout_s: float | None = 600.0  # ChatAgent: one engine call
 
 
 @dataclass
@@ -250,76 +228,3 @@ async def within_deadline(coro: Awaitable[T], deadline_s: float | None) -> T:
     task.cancel()
     task.add_done_callback(_consume)
     raise RolloutDropped("deadline", f"rollout still running after {deadline_s} s")
-
-
-# ---- loading a user module ---------------------------------------------------------------
-
-
-class AgentLoadError(ValueError):
-    """The agent module is missing, fails to import, or does not follow the contract."""
-
-
-def load_agent(path_or_module: str) -> type:
-    """Import a module by file path (`my_agent.py`) or dotted name (`pkg.agent`) and return its
-    `AgentRunner` class after checking it; every problem found is named in one error."""
-    module = _import(path_or_module)
-    runner = getattr(module, "AgentRunner", None)
-    if runner is None:
-        raise AgentLoadError(
-            f"{path_or_module} does not define AgentRunner (a subclass of EnvRunner or ChatRunner)"
-        )
-    problems = agent_problems(runner)
-    if problems:
-        raise AgentLoadError(f"{path_or_module}: " + "; ".join(problems))
-    return runner
-
-
-def agent_problems(runner: Any) -> list[str]:
-    """What is wrong with an AgentRunner class, one sentence each (empty when it is fine)."""
-    from .chat_runner import ChatRunner
-    from .env_runner import EnvRunner
-
-    if not isinstance(runner, type) or not issubclass(runner, EnvRunner | ChatRunner):
-        return [f"AgentRunner must be a subclass of EnvRunner or ChatRunner, got {runner!r}"]
-    if issubclass(runner, EnvRunner):
-        attr, base, methods = "env_class", Env, ("reset", "step")
-    else:
-        attr, base, methods = "agent_class", ChatAgent, ("run",)
-    cls = getattr(runner, attr, None)
-    if not isinstance(cls, type):
-        return [f"AgentRunner.{attr} must be set to your {base.__name__} class, got {cls!r}"]
-    problems = []
-    for name in methods:
-        method = getattr(cls, name, None)
-        # The base class's `step`/`run` only raises NotImplementedError: it must be overridden.
-        if method is None or (name != "reset" and method is getattr(base, name)):
-            problems.append(f"{cls.__name__} does not define {name}()")
-        elif not inspect.iscoroutinefunction(method):
-            problems.append(f"{cls.__name__}.{name} must be async (async def {name}(...))")
-    return problems
-
-
-def _import(path_or_module: str):
-    path = Path(path_or_module)
-    if path.suffix == ".py" or "/" in path_or_module:
-        if not path.is_file():
-            raise AgentLoadError(f"agent file {path} does not exist")
-        name = f"molt_agent_{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise AgentLoadError(f"importing {path} failed: {type(e).__name__}: {e}") from e
-        return module
-    try:
-        return importlib.import_module(path_or_module)
-    except ModuleNotFoundError as e:
-        if e.name and path_or_module.startswith(e.name):
-            raise AgentLoadError(f"no module named {path_or_module!r}") from e
-        raise AgentLoadError(f"importing {path_or_module} failed: {e}") from e
-    except Exception as e:
-        raise AgentLoadError(f"importing {path_or_module} failed: {type(e).__name__}: {e}") from e

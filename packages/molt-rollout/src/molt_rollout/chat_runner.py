@@ -24,7 +24,6 @@ from .agent import (
     Dropped,
     Result,
     RolloutDropped,
-    RunnerConfig,
     canonical_tools,
     check_result,
     describe,
@@ -32,6 +31,7 @@ from .agent import (
     row_messages,
     within_deadline,
 )
+from .config import RolloutConfig
 
 # How long closing a session may wait for a model call the agent left running.
 CLOSE_GRACE_S = 5.0
@@ -46,10 +46,12 @@ class ChatRunner:
 
     agent_class: type[ChatAgent] | None = None
 
-    def __init__(self, generator: Generator, tokenizer, config: RunnerConfig | None = None):
+    def __init__(self, generator: Generator, tokenizer, config: RolloutConfig | None = None,
+                 apply_chat_template: bool = True):  # fmt: skip
+        # `apply_chat_template`: always on for this form (the start-up checks refuse False).
         self.generator = generator
         self.tokenizer = tokenizer
-        self.config = config or RunnerConfig()
+        self.config = config or RolloutConfig()
         self._server: CaptureServer | None = None
         self._server_owner: ChatRunner | None = None  # set on a with_sampling() sibling
 
@@ -75,7 +77,7 @@ class ChatRunner:
         assert self.agent_class is not None, "set AgentRunner.agent_class"
         return self.agent_class()
 
-    def with_sampling(self, config: RunnerConfig) -> ChatRunner:
+    def with_sampling(self, config: RolloutConfig) -> ChatRunner:
         """This runner with other sampling and limits (the eval's) on the same capture server:
         sampling is set per session, so the server itself does not change."""
         sibling = copy.copy(self)

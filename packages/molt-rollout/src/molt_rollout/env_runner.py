@@ -21,7 +21,6 @@ from .agent import (
     EnvState,
     Result,
     RolloutDropped,
-    RunnerConfig,
     canonical_tools,
     check_result,
     describe,
@@ -29,6 +28,7 @@ from .agent import (
     row_messages,
     within_deadline,
 )
+from .config import RolloutConfig
 
 # Any harmless two-turn history: observations are rendered as the template's text after it.
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
@@ -39,14 +39,20 @@ class EnvRunner:
 
     env_class: type[Env] | None = None
 
-    def __init__(self, generator: Generator, tokenizer, config: RunnerConfig | None = None):
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer,
+        config: RolloutConfig | None = None,
+        apply_chat_template: bool = True,
+    ):
         self.generator = generator
         self.tokenizer = tokenizer
-        self.config = cfg = config or RunnerConfig()
+        self.config = cfg = config or RolloutConfig()
         # The same renderer the capture server uses, so both forms present identical prompts.
         self.renderer = (
             ChatRenderer(tokenizer, cfg.parser, cfg.chat_template_kwargs)
-            if cfg.apply_chat_template
+            if apply_chat_template  # --data.apply_chat_template
             else None
         )
 
@@ -62,7 +68,7 @@ class EnvRunner:
     def close(self) -> None:
         """Nothing to release (the chat runner stops its capture server here)."""
 
-    def with_sampling(self, config: RunnerConfig) -> EnvRunner:
+    def with_sampling(self, config: RolloutConfig) -> EnvRunner:
         """This runner with other sampling and limits (the eval's), sharing everything else."""
         sibling = copy.copy(self)
         sibling.config = config

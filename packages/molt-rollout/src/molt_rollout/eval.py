@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from molt_rollout.agent import RunnerConfig
+from molt_rollout.config import RolloutConfig
 from molt_rollout.pool import GroupResult, Launch, PromptTask
 
 
@@ -25,8 +25,8 @@ class EvalConfig:
 
     every_steps: int = 0  # 0 = never
     n_samples: int = 4  # samples per prompt; pass@k for every power of 2 up to n, and n
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # eval sampling temperature (0: greedy)
+    top_p: float = 1.0  # eval nucleus sampling
     max_tokens: int | None = None  # per turn; None: the training's (--rollout.max_tokens)
     max_prompts: int | None = None  # the first rows of the eval files only
 
@@ -44,8 +44,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
             raise ValueError(f"--eval.{name} must be >= 1 or unset")
 
 
-def eval_runner_config(base: RunnerConfig, cfg: EvalConfig) -> RunnerConfig:
-    """The training runners' config with the eval's sampling, for the runners that evaluate."""
+def eval_rollout_config(base: RolloutConfig, cfg: EvalConfig) -> RolloutConfig:
+    """The training rollouts' config with the eval's sampling, for the runners that evaluate."""
     max_tokens = base.max_tokens if cfg.max_tokens is None else cfg.max_tokens
     return dataclasses.replace(
         base, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens

@@ -27,10 +27,9 @@ from typing import Any, Protocol
 
 from molt_capture.types import Rollout
 from molt_rollout.agent import Dropped
+from molt_rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
-
-STALE_POLICIES = ("drop", "requeue")
 
 # Groups whose runner failed one after another (every outstanding slot, twice) before the pool
 # stops and `next_batch` raises: a dead runner must not silently burn through the dataset.
@@ -68,48 +67,10 @@ Launch = Callable[[PromptTask], "Future[GroupResult]"]
 
 
 @dataclass
-class PoolConfig:
-    groups_per_batch: int  # B: complete groups per training batch
-    max_inflight_groups: int  # K >= B: groups launched and not yet handed out in a batch
-    n_samples_per_prompt: int
-    max_staleness: int | None = None  # weight versions a trained token may lag; None: unbounded
-    stale_policy: str = "drop"  # "drop" or "requeue" (the prompt is generated again, first)
-    force_on_policy: bool = False  # launch only inside next_batch; every token of its version
-    min_rollouts_per_group: int = 1  # fewer survivors: the group is dropped and backfilled
-
-
-@dataclass
 class Batch:
     groups: list[GroupResult]  # sorted by prompt_index
     metrics: dict[str, float]  # pool/* and rollout/dropped/<reason>, since the previous batch
     dropped: dict[str, int]  # dropped rollouts by reason, since the previous batch
-
-
-def validate_pool_config(cfg: PoolConfig) -> None:
-    """Raise ValueError naming the flags of a pool configuration that cannot work."""
-    if cfg.groups_per_batch < 1:
-        raise ValueError(f"--rollout.groups_per_batch must be >= 1, got {cfg.groups_per_batch}")
-    if cfg.max_inflight_groups < cfg.groups_per_batch:
-        raise ValueError(
-            f"max_inflight_groups ({cfg.max_inflight_groups}) must be >= "
-            f"--rollout.groups_per_batch ({cfg.groups_per_batch}): a batch needs that many "
-            "groups outstanding"
-        )
-    if cfg.n_samples_per_prompt < 1:
-        raise ValueError(
-            f"--rollout.n_samples_per_prompt must be >= 1, got {cfg.n_samples_per_prompt}"
-        )
-    if not 1 <= cfg.min_rollouts_per_group <= cfg.n_samples_per_prompt:
-        raise ValueError(
-            f"min_rollouts_per_group must lie in [1, --rollout.n_samples_per_prompt "
-            f"= {cfg.n_samples_per_prompt}], got {cfg.min_rollouts_per_group}"
-        )
-    if cfg.max_staleness is not None and cfg.max_staleness < 0:
-        raise ValueError(f"--train.max_staleness must be >= 0 or None, got {cfg.max_staleness}")
-    if cfg.stale_policy not in STALE_POLICIES:
-        raise ValueError(
-            f"--rollout.stale_policy must be one of {STALE_POLICIES}, got {cfg.stale_policy!r}"
-        )
 
 
 def group_id(prompt_index: int, attempt: int) -> str:
@@ -141,11 +102,23 @@ class RolloutPool:
         self,
         source: PromptSource,
         launch: Launch,
-        config: PoolConfig,
+        rollout: RolloutConfig,
+        *,
+        max_inflight_groups: int,
+        max_staleness: int | None = None,
+        force_on_policy: bool = False,
+        min_rollouts_per_group: int = 1,
         group_filter: Callable[[GroupResult], bool] | None = None,
     ):
-        validate_pool_config(config)
-        self.source, self.launch, self.config = source, launch, config
+        """B and n and the stale policy come from `rollout`; K = `max_inflight_groups` >= B
+        groups stay outstanding; `max_staleness` is the lag in weight versions a trained token
+        may have (None: unbounded); `force_on_policy` launches only inside `next_batch`; a
+        group with fewer than `min_rollouts_per_group` survivors is dropped and backfilled."""
+        self.source, self.launch = source, launch
+        self.batch_size, self.n = rollout.groups_per_batch, rollout.n_samples_per_prompt
+        self.stale_policy = rollout.stale_policy
+        self.max_inflight, self.max_staleness = max_inflight_groups, max_staleness
+        self.force_on_policy, self.min_rollouts = force_on_policy, min_rollouts_per_group
         self.group_filter = group_filter
         self._cond = threading.Condition()  # guards every attribute below
         self._queue: deque[tuple[int, dict[str, Any], int]] = deque()  # launched before source
@@ -168,7 +141,7 @@ class RolloutPool:
             if self._started:
                 raise RuntimeError("RolloutPool.start() called twice")
             self._started = True
-            self._want = 0 if self.config.force_on_policy else self.config.max_inflight_groups
+            self._want = 0 if self.force_on_policy else self.max_inflight
         self._thread = threading.Thread(target=self._launch_loop, name="molt-pool", daemon=True)
         self._thread.start()
 
@@ -195,41 +168,41 @@ class RolloutPool:
         Raises TimeoutError after `timeout_s`, StopIteration when the source ran out before B
         more groups could finish, RuntimeError when the pool stopped on an error.
         """
-        cfg, t0 = self.config, time.monotonic()
+        t0 = time.monotonic()
         with self._cond:
             if not self._started or self._closed:
                 raise RuntimeError("next_batch() needs a started, open pool: call start() first")
-            if cfg.force_on_policy:
-                self._want = cfg.groups_per_batch
+            if self.force_on_policy:
+                self._want = self.batch_size
                 self._cond.notify_all()
             try:
                 while True:
                     if self._error is not None:
                         raise RuntimeError(f"rollout pool stopped: {self._error}") from self._error
                     self._screen_stale(version)
-                    if len(self._finished) >= cfg.groups_per_batch:
+                    if len(self._finished) >= self.batch_size:
                         break
                     if not self._pending and not self._queue and self._source_done:
                         raise StopIteration(
                             f"the prompt source ran out: {len(self._finished)} finished groups "
-                            f"left, {cfg.groups_per_batch} needed"
+                            f"left, {self.batch_size} needed"
                         )
                     remaining = None if timeout_s is None else t0 + timeout_s - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(
                             f"next_batch waited {timeout_s} s: {len(self._finished)} of "
-                            f"{cfg.groups_per_batch} groups finished, {len(self._pending)} in "
+                            f"{self.batch_size} groups finished, {len(self._pending)} in "
                             f"flight, {len(self._queue)} queued"
                         )
                     self._cond.wait(remaining)
                 wait_s = time.monotonic() - t0
-                capacity = cfg.groups_per_batch if cfg.force_on_policy else self._want
+                capacity = self.batch_size if self.force_on_policy else self._want
                 occupancy = (len(self._pending) + len(self._finished)) / capacity
-                taken = self._finished[: cfg.groups_per_batch]
-                del self._finished[: cfg.groups_per_batch]
+                taken = self._finished[: self.batch_size]
+                del self._finished[: self.batch_size]
                 batch = self._assemble(taken, version, wait_s, occupancy)
             finally:
-                if cfg.force_on_policy:
+                if self.force_on_policy:
                     self._want = 0  # nothing generates while the trainer trains
             self._cond.notify_all()  # the launcher refills the slots just handed out
         return batch
@@ -297,7 +270,7 @@ class RolloutPool:
                 self._cond.notify_all()
                 return None
             attempt = 0
-        n = self.config.n_samples_per_prompt
+        n = self.n
         task = PromptTask(index, row, group_id(index, attempt), n, attempt)
         self._pending[task.group_id] = task
         return task
@@ -322,7 +295,7 @@ class RolloutPool:
             self._cond.notify_all()
 
     def _judge(self, result: GroupResult) -> tuple[str, list[Counter[int]]]:
-        if len(result.rollouts) < self.config.min_rollouts_per_group:
+        if len(result.rollouts) < self.min_rollouts:
             return "group_too_small", []
         if self.group_filter is not None and not self.group_filter(result):
             return "filtered", []
@@ -344,7 +317,7 @@ class RolloutPool:
             self._dropped["runner_error"] += task.n
             self._counts["groups_dropped"] += 1
             self._runner_errors_in_row += 1
-            limit = RUNNER_ERROR_ROUNDS * max(self._want, self.config.groups_per_batch)
+            limit = RUNNER_ERROR_ROUNDS * max(self._want, self.batch_size)
             if self._runner_errors_in_row >= limit:
                 self._error = RuntimeError(
                     f"{self._runner_errors_in_row} groups in a row failed in their runners; "
@@ -368,21 +341,20 @@ class RolloutPool:
 
     def _screen_stale(self, version: int) -> None:
         """Drop or requeue the finished groups too old for `version`; their slots refill."""
-        cfg = self.config
         keep, requeue = [], []
         for f in self._finished:
-            if cfg.force_on_policy:
+            if self.force_on_policy:
                 stale = any(v != version for c in f.versions for v in c)
             else:
                 oldest = f.oldest
                 stale = (
-                    cfg.max_staleness is not None
+                    self.max_staleness is not None
                     and oldest is not None
-                    and version - oldest > cfg.max_staleness
+                    and version - oldest > self.max_staleness
                 )
             if not stale:
                 keep.append(f)
-            elif cfg.force_on_policy or cfg.stale_policy == "requeue":
+            elif self.force_on_policy or self.stale_policy == "requeue":
                 requeue.append(f.result.task)
             else:
                 self._counts["stale_dropped"] += 1

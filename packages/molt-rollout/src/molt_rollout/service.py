@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from molt_rollout.client import TokenClient
-from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig, validate_rollout_config
+from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
 from molt_rollout.engine import EngineGroup
 from molt_rollout.refit import Refitter, transfer_backend
 from molt_rollout.router import Router
@@ -28,9 +28,9 @@ class RolloutService:
         """Start engines (Ray must be initialised), then the router, then (with_refitter) the
         refit rendezvous in this process; the engines' weights are version 0. A trainer that
         sends weights from its own process passes with_refitter=False and builds a `Refitter`
-        from `engine_urls` and `workers_per_engine` there."""
+        from `engine_urls` and `workers_per_engine` there. The configs were validated at
+        start-up (molt_rollout.config.validate_rollout_config)."""
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-        validate_rollout_config(vllm, router, refit, on_gpu)
         engines = EngineGroup(vllm, model, transfer_backend(refit, on_gpu), log_dir, on_gpu)
         urls = engines.start()
         try:

@@ -4,7 +4,7 @@ export of the policy.
 Layout under the checkpoint root:
 
     step_00000100/              one complete checkpoint
-      policy/                   ActorGroup.save: sharded DCP (model, optimizer) + rank_*.pt
+      policy/                   ModelGroup.save: sharded DCP (model, optimizer) + rank_*.pt
       critic/ reference/ ...    one directory per actor group that was passed in
       driver_state.json         the loop's own state (step, data position, KL controller, ...)
     step_00000200.tmp/          a save in progress, or one a crash interrupted: never loaded
@@ -39,7 +39,7 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def save(self, step: int, actors: dict, driver_state: dict) -> str:
-        """Checkpoint every actor group (role -> ActorGroup) and the driver's state at `step`;
+        """Checkpoint every actor group (role -> ModelGroup) and the driver's state at `step`;
         return the checkpoint's path."""
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob("step_*.tmp"):
@@ -113,7 +113,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_sharded(path: str, model, optimizer, rank: int, extra: dict) -> None:
-    """One actor rank's part of `ActorGroup.save`: DCP shards of the model (and optimizer,
+    """One actor rank's part of `ModelGroup.save`: DCP shards of the model (and optimizer,
     through `get_state_dict`, which names Adam's state by parameter), and `extra` (scheduler,
     step count, RNG states) in `rank_<r>.pt`. Collective: every rank calls it."""
     import torch.distributed as dist

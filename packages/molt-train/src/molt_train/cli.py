@@ -1,45 +1,42 @@
 """The `molt-train` command: dotted flags generated from the run's dataclasses by tyro.
 
-    molt-train [--actor.* --ref.* --critic.* --fsdp.* --vllm.* --router.* --refit.* --rollout.*
-                --train.* --algo.* --data.* --eval.* --ckpt.* --logger.*]
+    molt-train [--config run.toml] [--actor.* --ref.* --critic.* --fsdp.* --vllm.* --router.*
+                --refit.* --rollout.* --train.* --algo.* --data.* --eval.* --ckpt.* --logger.*]
     molt-train quickstart [flags]     the tiny model learns the shipped task on CPU
     molt-train sft [flags]
 
 With no model or data flags a run trains the embedded tiny model on the shipped alphabet-halves
-task; `quickstart` adds the settings that learn it in a few minutes.
-`python -m molt_train.cli flags-doc` rewrites docs/flags.md from the same dataclasses.
+task; `quickstart` adds the settings that learn it in a few minutes (docs/quickstart.md says
+how they were chosen). `--config` reads a TOML, YAML or JSON file of the same keys (a run
+directory's config.json among them); flags on the command line override it. Booleans take
+`--x`, `--no-x` and `--x true|false|True|False`.
+`python -m molt_train.cli flags-doc` rewrites docs/flags.md from what tyro reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
+import json
 import sys
 import typing
+import warnings
 from pathlib import Path
+from typing import Any
 
 import tyro
 
-from molt_train.config import RunConfig, validate_agent, validate_run_config
+from molt_train.config import RunConfig, StartupError
 
 # `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with
-# settings that learn it on CPU in a few minutes (benchmarks/quickstart_task_prototype.py).
-# Flags given after `quickstart` override these.
+# settings that learn it on CPU in a few minutes. Flags given after `quickstart` override these.
 QUICKSTART = [
     "--actor.optim.lr", "5e-3",
-    # Cosine down to a tenth over the 40 steps: at a constant 5e-3, Adam's momentum on the
-    # near-zero gradients of a solved batch pushed one run past the optimum (reward 1.0 at
-    # step 25, 0.44 at 26, stuck: every group then scores alike and gives no signal back).
     "--actor.optim.schedule", "cosine",
     "--actor.optim.total_steps", "40",
     "--actor.optim.min_lr", "5e-4",
     "--rollout.max_tokens", "1",
     "--rollout.groups_per_batch", "16",
     "--rollout.n_samples_per_prompt", "8",
-    # One-step off-policy: every trained token is at most one version old however fast the
-    # machine is (one batch generated ahead lets a slow trainer see two-version-old batches,
-    # which learned this task visibly slower on a loaded CI machine).
     "--train.async_queue_size", "0",
     "--train.num_steps", "40",
     "--eval.every_steps", "10",
@@ -47,10 +44,19 @@ QUICKSTART = [
 ]  # fmt: skip
 
 _TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
+_BOOL_WORDS = {"true": "True", "false": "False", "True": "True", "False": "False"}
 
 
 def parse(argv: list[str], config_type: type = RunConfig):
-    """Flags -> config (exits with tyro's message on an unknown flag or a bad value)."""
+    """`--config FILE` and flags -> config (exits with the CLI's message on an unknown flag, a
+    bad value or a bad config file)."""
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            _exit("--config needs a file: TOML, YAML or JSON")
+        argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
+    argv = normalise_bools(argv, bool_flags(config_type))
     return tyro.cli(config_type, args=argv, prog="molt-train", **_TYRO_STYLE)
 
 
@@ -60,63 +66,144 @@ def main(argv: list[str] | None = None) -> None:
         from molt_train.sft import SFTConfig, train_sft, validate_sft_config
 
         cfg = parse(argv[1:], SFTConfig)
-        _fail_fast(validate_sft_config, cfg)
+        try:
+            validate_sft_config(cfg)
+        except ValueError as error:
+            _exit(str(error))
         train_sft(cfg)
+        return
+    if argv and argv[0] == "flags-doc":
+        write_flags_doc(argv[1] if len(argv) > 1 else "docs/flags.md")
         return
     if argv and argv[0] == "quickstart":
         argv = QUICKSTART + argv[1:]
-    elif argv and argv[0] == "flags-doc":
-        write_flags_doc(argv[1] if len(argv) > 1 else "docs/flags.md")
-        return
     cfg = parse(argv)
-    _fail_fast(validate_run_config, cfg)  # before Ray or any engine starts
-    _fail_fast(validate_agent, cfg)
     from molt_train.loop import train
 
-    train(cfg)
-
-
-def _fail_fast(validate, cfg) -> None:
     try:
-        validate(cfg)
-    except ValueError as error:
-        print(f"molt-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        train(cfg)  # validates before Ray or any engine starts
+    except StartupError as error:
+        _exit(str(error))
+
+
+def _exit(message: str) -> typing.NoReturn:
+    print(f"molt-train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---- booleans and config files --------------------------------------------------------------
+
+
+def _fields(config_type: type, prefix: str = ""):
+    """(dotted name, type) of every leaf field, in declaration order."""
+    hints = typing.get_type_hints(config_type)
+    for f in dataclasses.fields(config_type):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", kind
+
+
+def bool_flags(config_type: type) -> set[str]:
+    return {f"--{name}" for name, kind in _fields(config_type) if kind is bool}
+
+
+def normalise_bools(argv: list[str], flags: set[str]) -> list[str]:
+    """`--x`, `--no-x`, `--x=v` and `--x true|false` -> `--x True|False`, tyro's spelling."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, value = arg.partition("=")
+        negated = "--" + arg[len("--no-") :] if arg.startswith("--no-") else None
+        if negated in flags:
+            out += [negated, "False"]
+        elif name in flags and value:
+            out += [name, _BOOL_WORDS.get(value, value)]
+        elif arg in flags:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following in _BOOL_WORDS:
+                out += [arg, _BOOL_WORDS[following]]
+                i += 1
+            else:
+                out += [arg, "True"]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def config_file_flags(path: str, config_type: type = RunConfig) -> list[str]:
+    """A TOML/YAML/JSON run config as the flags it stands for (so the CLI checks its values
+    as it checks flags). Nested tables are the dotted groups; every key must be a flag."""
+    file = Path(path)
+    if not file.is_file():
+        _exit(f"--config {path}: no such file")
+    try:
+        text = file.read_text()
+        if file.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif file.suffix == ".json":
+            data = json.loads(text)
+        else:
+            _exit(f"--config {path}: use a .toml, .yaml/.yml or .json file")
+    except Exception as error:  # a parse error of any of the three formats
+        _exit(f"--config {path}: cannot be read: {error}")
+    known = dict(_fields(config_type))
+    groups = {name.rsplit(".", 1)[0] for name in known if "." in name}
+    flags: list[str] = []
+    for key, value in _flatten(data):
+        if key not in known:
+            what = "is a group, give its keys" if key in groups else "is not a setting"
+            _exit(f"--config {path}: key {key!r} {what} (see docs/flags.md)")
+        flags += [f"--{key}", *_as_words(value)]
+    return flags
+
+
+def _flatten(data: Any, prefix: str = ""):
+    if not isinstance(data, dict):
+        _exit(f"--config: expected a table of settings, got {data!r}")
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and not name.endswith("chat_template_kwargs"):
+            yield from _flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def _as_words(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [word for k, v in value.items() for word in (str(k), *_as_words(v))]
+    if isinstance(value, list | tuple):
+        return [word for v in value for word in _as_words(v)]
+    return [str(value)]  # True/False/None print as tyro reads them
 
 
 # ---- docs/flags.md ---------------------------------------------------------------------------
 
 
-def flag_rows(config_type: type, prefix: str = "", default=None) -> list[tuple[str, str, str, str]]:
-    """(flag, type, default, comment) for every leaf field, in declaration order."""
+def flag_rows(config_type: type) -> list[tuple[str, str, str, str]]:
+    """(flag, type, default, meaning) of every flag, as tyro's own parser has them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parser = tyro.extras.get_parser(config_type, **_TYRO_STYLE)
     rows = []
-    comments = _field_comments(config_type)
-    hints = typing.get_type_hints(config_type)
-    default = config_type() if default is None else default
-    for f in dataclasses.fields(config_type):
-        name = f"{prefix}{f.name}"
-        value = getattr(default, f.name)
-        if dataclasses.is_dataclass(value):
-            rows += flag_rows(type(value), f"{name}.", value)
+    for action in parser._actions:
+        if not action.option_strings or action.option_strings[0] == "-h":
             continue
-        type_name = re.sub(r"\b(typing|builtins)\.", "", str(hints[f.name]).replace("<class '", "").replace("'>", ""))  # fmt: skip
+        meaning, _, default = (action.help or "").rpartition("(default: ")
+        default = default.removesuffix(")")
         # Shipped files default to paths inside the installed package: show them portably.
-        shown = repr(value).replace(str(Path(__file__).parent), "<molt_train>")
-        rows.append((f"--{name}", type_name, shown, comments.get(f.name, "")))
+        default = default.replace(str(Path(__file__).parent), "<molt_train>")
+        rows.append((action.option_strings[0], str(action.metavar), default, meaning.strip()))
     return rows
-
-
-def _field_comments(config_type: type) -> dict[str, str]:
-    """The trailing `# ...` comment of each field line of a dataclass's source."""
-    comments = {}
-    for cls in reversed(config_type.__mro__[:-1]):
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            continue
-        for match in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.MULTILINE):
-            comments[match.group(1)] = match.group(2).strip()
-    return comments
 
 
 def flags_markdown() -> str:
@@ -125,15 +212,15 @@ def flags_markdown() -> str:
     lines = [
         "# Flags",
         "",
-        "Generated from the dataclasses by `python -m molt_train.cli flags-doc`; do not edit.",
-        "`molt-train --help` prints the same with the help text of each group.",
+        "Generated by `python -m molt_train.cli flags-doc` from what the CLI (tyro) reads; do not",
+        "edit. `molt-train --help` prints the same. Booleans take `--x`, `--no-x` and",
+        "`--x true|false`; `--config FILE` (TOML, YAML, JSON) sets any of them, flags override.",
         "",
     ]
     for title, config_type in (("molt-train", RunConfig), ("molt-train sft", SFTConfig)):
         lines += [f"## {title}", "", "| flag | type | default | meaning |", "|---|---|---|---|"]
-        for flag, type_name, default, comment in flag_rows(config_type):
-            cells = (flag, type_name, default, comment)
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        for row in flag_rows(config_type):
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
         lines.append("")
     return "\n".join(lines)
 

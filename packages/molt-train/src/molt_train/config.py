@@ -1,8 +1,10 @@
 """The run configuration: one typed dataclass per concern, composed into `RunConfig`.
 
 Every field is a dotted CLI flag (`--algo.advantage.estimator grpo`, `--fsdp.tp_size 2`); the
-CLI is generated from these classes (cli.py) and docs/flags.md from the same. Engine, router
-and refit options are molt-rollout's own dataclasses, the actor's are in actor.py.
+CLI is generated from these classes (cli.py) and docs/flags.md from the same. Each setting has
+one owner, the lowest package that reads it: rollout, engine, router, refit, data and eval
+settings are molt-rollout's dataclasses, the estimator, IS, loss and KL settings molt-algos',
+the actor's are in actor_config.py; this module composes them and adds the loop's own.
 `validate_run_config` is the one start-up check of combinations: it raises naming the flags.
 """
 
@@ -11,53 +13,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from molt_algos import (
-    ADVANTAGE_ESTIMATORS,
-    AGGREGATIONS,
     GROUP_ESTIMATORS,
-    KL_ESTIMATORS,
     KL_IN_REWARD_ESTIMATORS,
-    POLICY_LOSSES,
     AdvantageConfig,
-    ISConfig,
+    AggregationName,
+    KLConfig,
     LossConfig,
+    PolicyLossName,
     validate_advantage_config,
-    validate_is_config,
+    validate_is_correction,
     validate_loss_config,
 )
 from molt_rollout import (
     ChatRunner,
     RefitConfig,
+    RolloutConfig,
     RouterConfig,
-    RunnerConfig,
     VLLMConfig,
     load_agent,
     validate_rollout_config,
 )
+from molt_rollout.config import validate_engine_devices
 from molt_rollout.data import DataConfig, validate_data_config
 from molt_rollout.eval import EvalConfig, validate_eval_config
-from molt_rollout.pool import PoolConfig, validate_pool_config
-from molt_rollout.runners import RunnersConfig
-from molt_train.actor import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
+from molt_train.actor_config import (
+    ActorConfig,
+    FSDPConfig,
+    OptimConfig,
+    validate_actor_config,
+    validate_actor_devices,
+)
 from molt_train.logger import LoggerConfig, validate_logger_config
 
 
-@dataclass
-class RolloutConfig:
-    """Sampling, limits and runner processes (`--rollout.*`)."""
-
-    n_samples_per_prompt: int = 8  # rollouts per prompt: one group
-    groups_per_batch: int = 16  # prompt groups per training batch
-    temperature: float = 1.0  # sampling; the trainer recomputes log-probs at it
-    top_p: float = 1.0  # < 1 is refused with an IS correction (biased ratios)
-    max_tokens: int | None = None  # per turn; None: what the budgets leave
-    max_len: int = 2048  # tokens per rollout trace: prompt, replies, observations
-    max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns
-    max_turns: int = 8  # Env: generations per rollout
-    deadline_s: float | None = 600.0  # wall clock per rollout; then it is dropped
-    stale_policy: str = "drop"  # a group past --train.max_staleness: "drop" or "requeue"
-    parser: str = "qwen3"  # reply markup (tool calls, reasoning) of the model family
-    num_runners: int = 2  # agent-runner actors
-    cpus_per_runner: float = 0.25  # Ray CPUs per runner actor (fractional)
+class StartupError(ValueError):
+    """A user error found by the start-up checks: the CLI prints it as one line, no traceback."""
 
 
 @dataclass
@@ -78,51 +68,15 @@ class TrainConfig:
 
 
 @dataclass
-class AdvantageFlags:
-    """The estimator and its parameters, and the train/rollout IS correction (`--algo.advantage.*`)."""
-
-    estimator: str = (
-        "grpo"  # reinforce[_baseline] | rloo | grpo | dr_grpo | gae | on_policy_distill
-    )
-    gamma: float = 1.0  # discount per action token (reinforce*, gae)
-    lam: float = 1.0  # GAE lambda
-    whiten: bool = True  # batch-whiten advantages (reinforce*, gae)
-    eps: float = 1e-6  # added to standard deviations
-    kl_coef: float = 0.0  # KL to the reference in the reward (token-level estimators only)
-    distill_coef: float = 1.0  # on_policy_distill: weight of the teacher log-ratio
-    is_correction_level: str = "token"  # off | token | seq | geo
-    is_correction_mode: str = "trunc"  # mask | clip | trunc
-    is_correction_threshold: float = 2.0  # ratio band [1/threshold, threshold]
-
-    def advantage_config(self) -> AdvantageConfig:
-        return AdvantageConfig(kl_coef=self.kl_coef, gamma=self.gamma, lam=self.lam,
-                               whiten=self.whiten, eps=self.eps, distill_coef=self.distill_coef)  # fmt: skip
-
-    def is_config(self) -> ISConfig:
-        return ISConfig(level=self.is_correction_level, mode=self.is_correction_mode,
-                        low=1.0 / self.is_correction_threshold, high=self.is_correction_threshold)  # fmt: skip
-
-
-@dataclass
-class KLFlags:
-    """KL to the reference model (`--algo.kl.*`); needs `--ref.enable`."""
-
-    loss_coef: float = 0.0  # KL as a loss term
-    estimator: str = "k3"  # k1 | k2 | k3
-    target: float | None = None  # adaptive coefficient of the reward KL toward this KL
-    horizon: float = 10_000.0  # adaptive KL: samples over which the coefficient adapts
-
-
-@dataclass
 class AlgoConfig:
     """What is optimised (`--algo.*`): estimator, loss, aggregation, filtering, KL."""
 
-    advantage: AdvantageFlags = field(default_factory=AdvantageFlags)
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: PolicyLossName = "ppo"  # the policy loss (docs/algorithms.md)
     loss: LossConfig = field(default_factory=LossConfig)
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    aggregation: AggregationName = "token-mean"  # how per-token losses become one scalar
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
-    kl: KLFlags = field(default_factory=KLFlags)
+    kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # entropy bonus in the loss
 
 
@@ -181,75 +135,46 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
-# ---- derived configs -----------------------------------------------------------------------
-
-
-def runner_config(cfg: RunConfig) -> RunnerConfig:
-    r = cfg.rollout
-    return RunnerConfig(
-        temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, max_len=r.max_len,
-        max_response_tokens=r.max_response_tokens, max_turns=r.max_turns,
-        deadline_s=r.deadline_s, apply_chat_template=cfg.data.apply_chat_template,
-        parser=r.parser,
-    )  # fmt: skip
-
-
-def runners_config(cfg: RunConfig) -> RunnersConfig:
-    return RunnersConfig(num_runners=cfg.rollout.num_runners,
-                         cpus_per_runner=cfg.rollout.cpus_per_runner)  # fmt: skip
-
-
-def pool_config(cfg: RunConfig) -> PoolConfig:
-    batch = cfg.rollout.groups_per_batch
-    group_estimator = cfg.algo.advantage.estimator in GROUP_ESTIMATORS
-    return PoolConfig(
-        groups_per_batch=batch,
-        max_inflight_groups=batch * (1 + cfg.train.async_queue_size),
-        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        max_staleness=0 if cfg.train.force_on_policy else cfg.train.max_staleness,
-        stale_policy=cfg.rollout.stale_policy,
-        force_on_policy=cfg.train.force_on_policy,
-        # A group baseline needs at least two samples to compare.
-        min_rollouts_per_group=2 if group_estimator else 1,
-    )
-
-
 def may_train_stale_tokens(cfg: RunConfig) -> bool:
     """Whether a trained token can come from older weights than the ones being trained."""
     train = cfg.train
     return not train.force_on_policy or train.epochs_per_batch > 1 or train.mini_batches > 1
 
 
-# ---- validation ------------------------------------------------------------------------------
+# ---- validation: once, at start-up, one function per concern ------------------------------
 
 
 def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None:
-    """Raise ValueError naming the flags of any combination that cannot work. `cluster_gpus`:
-    GPUs the Ray cluster has (0 on CPU); None before Ray starts defers the device checks."""
-    algo, adv, train, rollout = cfg.algo, cfg.algo.advantage, cfg.train, cfg.rollout
+    """Raise StartupError naming the flags of any combination that cannot work. `cluster_gpus`:
+    GPUs the Ray cluster has (0 on CPU); None before Ray starts defers the device checks, which
+    `validate_devices` makes once the cluster is known. Choices (`Literal` fields) the CLI has
+    already checked."""
+    try:
+        validate_algo(cfg)
+        validate_asynchrony(cfg)
+        validate_actor_config(cfg.actor, cfg.fsdp)
+        validate_rollout_config(cfg.rollout, cfg.vllm, cfg.router, cfg.refit)
+        validate_data_config(cfg.data)
+        validate_eval_config(cfg.eval)
+        validate_logger_config(cfg.logger)
+        if cfg.ckpt.keep_last < 1 or cfg.ckpt.every_steps < 0:
+            raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
+    except ValueError as error:
+        raise StartupError(str(error)) from None
+    if cluster_gpus is not None:
+        validate_devices(cfg, cluster_gpus)
 
-    if adv.estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"--algo.advantage.estimator {adv.estimator!r}: choose one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)}")  # fmt: skip
-    validate_advantage_config(adv.estimator, adv.advantage_config())
-    if algo.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"--algo.policy_loss {algo.policy_loss!r}: choose one of "
-                         f"{sorted(POLICY_LOSSES)}")  # fmt: skip
+
+def validate_algo(cfg: RunConfig) -> None:
+    """The estimator, loss and KL settings, and what they need of the rest of the run."""
+    algo, adv = cfg.algo, cfg.algo.advantage
+    validate_advantage_config(adv)
+    validate_is_correction(adv)
     validate_loss_config(algo.policy_loss, algo.loss)
-    if algo.aggregation not in AGGREGATIONS:
-        raise ValueError(f"--algo.aggregation {algo.aggregation!r}: choose one of "
-                         f"{sorted(AGGREGATIONS)}")  # fmt: skip
-    if algo.kl.estimator not in KL_ESTIMATORS:
-        raise ValueError(f"--algo.kl.estimator {algo.kl.estimator!r}: choose one of "
-                         f"{sorted(KL_ESTIMATORS)}")  # fmt: skip
-    if adv.is_correction_threshold <= 1.0:
-        raise ValueError("--algo.advantage.is_correction_threshold must be > 1")
-    validate_is_config(adv.is_config())
-
-    if adv.estimator in GROUP_ESTIMATORS and rollout.n_samples_per_prompt < 2:
+    if adv.estimator in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
         raise ValueError(
             f"--algo.advantage.estimator {adv.estimator} compares the samples of a prompt: "
-            f"--rollout.n_samples_per_prompt must be >= 2, got {rollout.n_samples_per_prompt}"
+            f"--rollout.n_samples_per_prompt must be >= 2, got {cfg.rollout.n_samples_per_prompt}"
         )
     if (adv.kl_coef > 0 or algo.kl.loss_coef > 0) and not cfg.ref.enable:
         raise ValueError(
@@ -259,12 +184,38 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
     if algo.kl.target is not None and adv.estimator not in KL_IN_REWARD_ESTIMATORS:
         raise ValueError("--algo.kl.target adapts the reward KL coefficient, which "
                          f"--algo.advantage.estimator {adv.estimator} does not use")  # fmt: skip
+    if algo.kl.target is not None and (algo.kl.target <= 0 or algo.kl.horizon <= 0):
+        raise ValueError("--algo.kl.target and --algo.kl.horizon must be > 0")
     if adv.estimator == "on_policy_distill" and not cfg.ref.enable:
         raise ValueError(
             "--algo.advantage.estimator on_policy_distill: the teacher is the reference model; "
             "add --ref.enable --ref.model_path TEACHER"
         )
+    if adv.is_correction_level != "off" and cfg.rollout.top_p < 1.0:
+        raise ValueError(
+            f"--algo.advantage.is_correction_level {adv.is_correction_level} with "
+            f"--rollout.top_p {cfg.rollout.top_p}: top-p sampling renormalises the engine's "
+            "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
+            "would be biased; use --rollout.top_p 1.0"
+        )
 
+
+def validate_asynchrony(cfg: RunConfig) -> None:
+    """The loop's step structure, staleness and its correction, and routing replay."""
+    train, adv = cfg.train, cfg.algo.advantage
+    if train.num_steps < 1 or train.epochs_per_batch < 1 or train.mini_batches < 1:
+        raise ValueError(
+            "--train.num_steps, --train.epochs_per_batch, --train.mini_batches must be >= 1"
+        )
+    if train.async_queue_size < 0:
+        raise ValueError("--train.async_queue_size must be >= 0")
+    if train.max_staleness is not None and train.max_staleness < 0:
+        raise ValueError(f"--train.max_staleness must be >= 0 or None, got {train.max_staleness}")
+    if cfg.rollout.groups_per_batch % train.mini_batches:
+        raise ValueError(
+            f"--rollout.groups_per_batch {cfg.rollout.groups_per_batch} does not divide into "
+            f"--train.mini_batches {train.mini_batches}"
+        )
     if train.force_on_policy and (train.epochs_per_batch > 1 or train.mini_batches > 1):
         raise ValueError(
             "--train.force_on_policy with --train.epochs_per_batch > 1 or --train.mini_batches "
@@ -274,7 +225,7 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
     if may_train_stale_tokens(cfg) and adv.is_correction_level == "off":
         raise ValueError(
             "stale tokens without an importance-sampling correction: asynchronous training "
-            "(--train.force_on_policy false, --train.async_queue_size "
+            "(--train.force_on_policy False, --train.async_queue_size "
             f"{train.async_queue_size}, --train.partial_rollout_enable "
             f"{train.partial_rollout_enable}) trains tokens sampled by older weights; set "
             "--algo.advantage.is_correction_level token|seq|geo, or --train.force_on_policy"
@@ -290,55 +241,39 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
             "--train.routing_replay replays the experts the engines report: add "
             "--vllm.enable_return_routed_experts"
         )
-    if adv.is_correction_level != "off" and rollout.top_p < 1.0:
-        raise ValueError(
-            f"--algo.advantage.is_correction_level {adv.is_correction_level} with "
-            f"--rollout.top_p {rollout.top_p}: top-p sampling renormalises the engine's "
-            "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
-            "would be biased; use --rollout.top_p 1.0"
-        )
-    if train.num_steps < 1 or train.epochs_per_batch < 1 or train.mini_batches < 1:
-        raise ValueError(
-            "--train.num_steps, --train.epochs_per_batch, --train.mini_batches must be >= 1"
-        )
-    if train.async_queue_size < 0:
-        raise ValueError("--train.async_queue_size must be >= 0")
-    if rollout.groups_per_batch % train.mini_batches:
-        raise ValueError(
-            f"--rollout.groups_per_batch {rollout.groups_per_batch} does not divide into "
-            f"--train.mini_batches {train.mini_batches}"
-        )
-    validate_pool_config(pool_config(cfg))
-    if cfg.ckpt.keep_last < 1 or cfg.ckpt.every_steps < 0:
-        raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
 
+
+def validate_devices(cfg: RunConfig, cluster_gpus: int) -> None:
+    """What depends on the cluster's GPUs (0 on CPU): checked once Ray knows them."""
     gpus_wanted = cfg.actor.num_workers + cfg.vllm.num_engines * (
         cfg.vllm.tensor_parallel_size * cfg.vllm.data_parallel_size
     )
     if cfg.ref.enable:
         gpus_wanted += cfg.ref.num_workers
-    if adv.estimator == "gae":
+    if cfg.algo.advantage.estimator == "gae":
         gpus_wanted += cfg.critic.num_workers
-    if cluster_gpus and gpus_wanted > cluster_gpus:
-        raise ValueError(
-            f"the run asks for {gpus_wanted} GPUs (--actor.num_workers, --vllm.num_engines x "
-            f"--vllm.tensor_parallel_size x --vllm.data_parallel_size, --ref.num_workers, "
-            f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
-        )
-    validate_actor_config(cfg.actor, cfg.fsdp, cluster_gpus)
-    on_gpu = None if cluster_gpus is None else cluster_gpus > 0
-    validate_rollout_config(cfg.vllm, cfg.router, cfg.refit, on_gpu)
-    validate_data_config(cfg.data)
-    validate_eval_config(cfg.eval)
-    validate_logger_config(cfg.logger)
+    try:
+        if cluster_gpus and gpus_wanted > cluster_gpus:
+            raise ValueError(
+                f"the run asks for {gpus_wanted} GPUs (--actor.num_workers, --vllm.num_engines "
+                "x --vllm.tensor_parallel_size x --vllm.data_parallel_size, --ref.num_workers, "
+                f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
+            )
+        validate_actor_devices(cfg.actor, cfg.fsdp, cluster_gpus)
+        validate_engine_devices(cfg.vllm, cluster_gpus > 0)
+    except ValueError as error:
+        raise StartupError(str(error)) from None
 
 
 def validate_agent(cfg: RunConfig) -> None:
-    """Import the agent module (AgentLoadError, a ValueError, names what is wrong) and check
-    it against the data flags."""
-    runner = load_agent(cfg.train.agent_path)
+    """Import the agent module (AgentLoadError names what is wrong) and check it against the
+    data flags."""
+    try:
+        runner = load_agent(cfg.train.agent_path)
+    except ValueError as error:
+        raise StartupError(str(error)) from None
     if issubclass(runner, ChatRunner) and not cfg.data.apply_chat_template:
-        raise ValueError(
+        raise StartupError(
             f"--data.apply_chat_template False with the ChatAgent in {cfg.train.agent_path}: "
             "a ChatAgent's messages are always rendered by the capture server with the chat "
             "template; verbatim string prompts need the Env form"

@@ -8,6 +8,7 @@ come from molt-algos. The actor then only consumes per-token advantages, weights
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +22,10 @@ from molt_algos import (
 )
 from molt_capture.types import Rollout, Segment
 from molt_rollout.pool import Batch
-from molt_train.actor import ActorGroup
 from molt_train.config import AlgoConfig
+from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
-from molt_train.routing import routing_array
+from molt_train.routing_replay import routing_array
 
 
 @dataclass
@@ -54,11 +55,11 @@ def _routing(segment: Segment) -> np.ndarray:
 def make_experience(
     batch: Batch,
     version: int,
-    policy: ActorGroup,
+    policy: ModelGroup,
     algo: AlgoConfig,
     kl_coef: float,
-    reference: ActorGroup | None = None,
-    critic: ActorGroup | None = None,
+    reference: ModelGroup | None = None,
+    critic: ModelGroup | None = None,
     routing_replay: bool = False,
 ) -> Experience:
     """Samples with advantages, old log-probs and IS weights for one training batch, trained
@@ -84,27 +85,19 @@ def make_experience(
     ref = _padded(reference.forward_logprobs(samples), width) if reference else None
     values = _padded(critic.forward_values(samples), width) if critic else None
 
-    correction = importance_correction(old, rollout_logprobs, mask, algo.advantage.is_config())
+    # `is/vllm_kl` is the engine/trainer mismatch alone: over the tokens sampled by exactly the
+    # weights being trained (molt_algos.correction).
+    current = _padded([s.weight_versions for _, s in segments], width) == version
+    correction = importance_correction(old, rollout_logprobs, mask, algo.advantage, current)
     metrics = dict(correction.metrics)
-    # The correction's KL mixes two things: the engine/trainer mismatch and the policy change
-    # since older versions sampled (asynchrony). `vllm_kl` is the mismatch alone, over tokens
-    # sampled by exactly the weights being trained (NaN when a batch has none);
-    # `off_policy_kl` is both, over every trained token.
-    metrics["off_policy_kl"] = metrics.pop("vllm_kl")
-    current = mask & (_padded([s.weight_versions for _, s in segments], width) == version)
-    log_ratio = (rollout_logprobs - old)[current]
-    metrics["vllm_kl"] = log_ratio.mean().item() if log_ratio.numel() else float("nan")
     kl = None
     if ref is not None:
         kl = kl_estimate(old, ref, mask, algo.kl.estimator)
-        metrics["ref_kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        metrics["ref/kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
 
     group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
     rollout_index = {r.rollout_id: i for i, r in enumerate(rollouts)}
-    adv_cfg = algo.advantage.advantage_config()
-    adv_cfg.kl_coef = kl_coef
     advantages = compute_advantages(
-        algo.advantage.estimator,
         AdvantageBatch(
             rewards=torch.tensor([r.reward for r, _ in segments], dtype=torch.float32),
             action_mask=mask,  # advantages see every generated token; IS filtering is the loss's
@@ -115,7 +108,7 @@ def make_experience(
             logprobs=old,
             teacher_logprobs=ref,
         ),
-        adv_cfg,
+        dataclasses.replace(algo.advantage, kl_coef=kl_coef),  # the controller's coefficient
     )
     metrics.update(advantages.metrics)
 

@@ -20,17 +20,15 @@ import netrc
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
-
-WANDB_MODES = ("offline", "online", "disabled")
 
 # The console table: (header, metric key, width, format). The one place to change what it shows.
 CONSOLE_COLUMNS = (
     ("reward", "rollout/reward_mean", 8, ".4f"),
     ("pass@1", "eval/pass@1", 7, ".3f"),
-    ("loss", "policy_loss", 10, ".4g"),
-    ("kl", "vllm_kl", 9, ".2e"),
+    ("loss", "loss/policy", 10, ".4g"),
+    ("kl", "is/vllm_kl", 9, ".2e"),
     ("lag", "pool/version_lag_mean", 5, ".2f"),
     ("gen s", "timing/generation", 7, ".2f"),
     ("train s", "timing/policy_train", 7, ".2f"),
@@ -46,11 +44,11 @@ STEP_WIDTH = 6
 class LoggerConfig:
     """Where metrics go (`--logger.*`)."""
 
-    wandb_mode: str = "offline"  # "offline" | "online" (needs a W&B API key) | "disabled"
-    wandb_project: str = "molt"
-    run_name: str | None = None  # W&B run name; default: the run directory's name
-    tensorboard: bool = True
-    jsonl: bool = True
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # online needs an API key
+    wandb_project: str = "molt"  # the W&B project runs are logged under
+    run_name: str | None = None  # the run directory's and W&B run's name; default: a timestamp
+    tensorboard: bool = True  # TensorBoard event files in the run directory
+    jsonl: bool = True  # metrics.jsonl in the run directory
     console: bool = True  # compact per-step table on stdout
     console_every: int = 1  # print a table line every N steps (and the first step)
     num_sample_rollouts: int = 4  # decoded rollouts per step: W&B table and samples.jsonl
@@ -58,10 +56,6 @@ class LoggerConfig:
 
 def validate_logger_config(cfg: LoggerConfig) -> None:
     """Raise ValueError naming the flag of a setting that cannot work."""
-    if cfg.wandb_mode not in WANDB_MODES:
-        raise ValueError(
-            f"--logger.wandb_mode must be one of {WANDB_MODES}, got {cfg.wandb_mode!r}"
-        )
     if cfg.wandb_mode == "online" and not has_wandb_credentials():
         raise ValueError(
             "--logger.wandb_mode online needs a W&B API key: set WANDB_API_KEY or run "

@@ -19,61 +19,66 @@ from pathlib import Path
 
 import ray
 
-from molt_algos import kl_controller
+from molt_algos import GROUP_ESTIMATORS, kl_controller
 from molt_rollout.data import PromptSource, load_eval_rows
-from molt_rollout.eval import eval_metrics, eval_runner_config, run_eval
+from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
-from molt_rollout.runners import RunnerGroup
+from molt_rollout.runner_actors import RunnerActors
 from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
-from molt_train.actor import ActorConfig, ActorGroup
+from molt_train.actor_config import ActorConfig
 from molt_train.checkpoint import CheckpointManager
-from molt_train.config import (
-    RunConfig,
-    pool_config,
-    runner_config,
-    runners_config,
-    validate_agent,
-    validate_run_config,
-)
+from molt_train.config import RunConfig, validate_agent, validate_devices, validate_run_config
 from molt_train.experience import make_experience
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
+from molt_train.model_group import ModelGroup
 
 
 def train(cfg: RunConfig) -> dict[str, float]:
-    """Run RL as configured; returns the last step's metrics."""
+    """Run RL as configured; returns the last step's metrics. Bad settings raise StartupError
+    before Ray starts (the device checks right after), naming the flags."""
+    validate_run_config(cfg)
     validate_agent(cfg)  # a broken agent module fails here, in the driver, by name
     start_ray(cfg)
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
-    validate_run_config(cfg, cluster_gpus)  # the device checks, now that the cluster is known
+    validate_devices(cfg, cluster_gpus)
     on_gpu = cluster_gpus > 0
     model = cfg.actor.model_path or str(build_tiny_model())
-    cfg.actor.model_path = model  # the resolved config names the model that trained
-    run_dir = prepare_run_dir(cfg)
+    # The resolved config names the model that trained.
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
+    cfg, run_dir = prepare_run_dir(cfg)
     source = PromptSource.from_config(cfg.data)  # a bad data file fails before engines start
     eval_rows = load_eval_rows(cfg.data)
 
     # ---- generation: engines, router, agent runners, the streaming pool --------------------
     rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
                                    str(run_dir / "logs"), on_gpu, with_refitter=False)  # fmt: skip
-    runners = RunnerGroup(runners_config(cfg), cfg.train.agent_path, model, rollout.router.url,
-                          runner_config(cfg), cfg.vllm.request_timeout_s, cfg.vllm.max_retries,
-                          eval_runner=eval_runner_config(runner_config(cfg), cfg.eval))  # fmt: skip
-    group_filter = keep_informative_group if cfg.algo.dynamic_filtering_enable else None
-    pool = RolloutPool(source, runners.launch, pool_config(cfg), group_filter)
+    runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
+                           cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
+                           cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
+    train = cfg.train
+    pool = RolloutPool(
+        source, runners.launch, cfg.rollout,
+        max_inflight_groups=cfg.rollout.groups_per_batch * (1 + train.async_queue_size),
+        max_staleness=0 if train.force_on_policy else train.max_staleness,
+        force_on_policy=train.force_on_policy,
+        # A group baseline needs at least two samples to compare.
+        min_rollouts_per_group=2 if cfg.algo.advantage.estimator in GROUP_ESTIMATORS else 1,
+        group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
+    )  # fmt: skip
 
     # ---- training: the policy, its refit link to the engines, reference and critic ---------
-    policy = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
+    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit)
     actors = {"policy": policy}
     reference = critic = None
     if cfg.ref.enable:
         ref_cfg = dataclasses.replace(cfg.actor, model_path=cfg.ref.model_path or model,
                                       num_workers=cfg.ref.num_workers)  # fmt: skip
-        reference = ActorGroup(ref_cfg, cfg.fsdp, "reference", on_gpu)
+        reference = ModelGroup(ref_cfg, cfg.fsdp, "reference", on_gpu)
     if cfg.algo.advantage.estimator == "gae":
-        critic = ActorGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu)
+        critic = ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu)
         actors["critic"] = critic
     kl_ctl = kl_controller(cfg.algo.advantage.kl_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
 
@@ -116,16 +121,16 @@ def train(cfg: RunConfig) -> dict[str, float]:
             version += 1
             refit_times = policy.refit(version, pause_mode)
             t_refit = time.perf_counter()
-            kl_ctl.update(experience.metrics.get("ref_kl", 0.0), len(experience.rollouts))
+            kl_ctl.update(experience.metrics.get("ref/kl", 0.0), len(experience.rollouts))
             mean_step_s = (t_refit - t_start) / (step + 1 - first_step)  # this run's, so far
 
             metrics = {
-                **rollout_metrics(experience.rollouts, batch.dropped),
+                **rollout_metrics(experience.rollouts),
                 **batch.metrics,
                 **experience.metrics,
                 **train_metrics,
                 **refit_times,
-                "kl_coef": kl_ctl.coef,
+                "ref/kl_coef": kl_ctl.coef,
                 "timing/generation": t_generated - t_step,
                 "timing/experience": t_experience - t_generated,
                 "timing/policy_train": t_trained - t_experience,
@@ -161,30 +166,27 @@ def train(cfg: RunConfig) -> dict[str, float]:
     return metrics
 
 
-def train_on(samples: list, groups: list[str], policy: ActorGroup, critic: ActorGroup | None,
+def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: ModelGroup | None,
              cfg: RunConfig) -> dict:  # fmt: skip
     """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
     metrics of the last step, plus the token count of all of them."""
-    algo = cfg.algo
     chunks = _split_by_group(samples, groups, cfg.train.mini_batches)
     metrics: dict[str, float] = {}
     tokens = 0.0
     for _ in range(cfg.train.epochs_per_batch):
         for chunk in chunks:
-            metrics = policy.train_step(chunk, algo.policy_loss, algo.loss, algo.aggregation,
-                                        kl_loss_coef=algo.kl.loss_coef,
-                                        kl_estimator=algo.kl.estimator,
-                                        entropy_coef=algo.entropy_coef)  # fmt: skip
+            metrics = policy.train_step(chunk, cfg.algo)
             tokens += metrics.get("train/tokens", 0.0)
             if critic is not None:
-                critic_metrics = critic.train_step(chunk, "value", algo.loss, algo.aggregation,
-                                                   value_clip=cfg.critic.value_clip)  # fmt: skip
+                critic_metrics = critic.train_step(
+                    chunk, cfg.algo, value_clip=cfg.critic.value_clip
+                )
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     metrics["train/tokens"] = tokens
     return metrics
 
 
-def evaluate(rows: list[dict], runners: RunnerGroup, cfg: RunConfig) -> dict[str, float]:
+def evaluate(rows: list[dict], runners: RunnerActors, cfg: RunConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     results: list[GroupResult] = run_eval(rows, runners.launch, cfg.eval)
     return {**eval_metrics(results), "timing/eval": time.perf_counter() - t0}
@@ -219,13 +221,14 @@ def start_ray(cfg: RunConfig) -> None:
         ray.init(object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
+def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
+    """The run directory, with the resolved config in config.json (`--config` loads it back)."""
     name = cfg.logger.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-    cfg.logger.run_name = name
+    cfg = dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, run_name=name))
     run_dir = Path(cfg.train.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    return run_dir
+    return cfg, run_dir
 
 
 def _split_by_group(samples: list, groups: list[str], parts: int) -> list[list]:

@@ -15,14 +15,13 @@ from typing import Any
 from molt_capture.types import Rollout, Segment
 
 
-def rollout_metrics(rollouts: list[Rollout], dropped_counts: dict[str, int]) -> dict[str, float]:
-    """`rollout/*` statistics over one batch; `dropped_counts` maps a drop reason to a count."""
-    metrics = {f"rollout/dropped/{reason}": float(n) for reason, n in dropped_counts.items()}
+def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """`rollout/*` statistics over one batch's rollouts (the pool counts the dropped ones)."""
     if not rollouts:
-        return metrics
+        return {}
     group_rewards = [[r.reward for r in group] for group in _by_group(rollouts)]
     response_lengths = [sum(seg.num_generated for seg in r.segments) for r in rollouts]
-    metrics |= {
+    metrics = {
         "rollout/count": float(len(rollouts)),
         "rollout/groups": float(len(group_rewards)),
         "rollout/reward_mean": fmean(r.reward for r in rollouts),

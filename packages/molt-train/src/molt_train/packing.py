@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from molt_train.routing import microbatch_routing
+from molt_train.routing_replay import microbatch_routing
 
 # Sample fields carried per token into the loss, besides loss_mask.
 TOKEN_FIELDS = ("advantages", "old_logprobs", "weights", "ref_logprobs", "returns", "old_values")
@@ -49,7 +49,7 @@ class Sample:
     returns: list[float] | None = None  # critic targets (GAE); value model only
     old_values: list[float] | None = None
     # [tokens, layers, top_k] experts the engine routed each token to, -1 where it reported
-    # none (--train.routing_replay; molt_train.routing)
+    # none (--train.routing_replay; molt_train.routing_replay)
     routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:

@@ -18,16 +18,22 @@ import ray
 
 from molt_rollout.data import load_rows
 from molt_rollout.tiny_model import build_tiny_model
-from molt_train.actor import (
-    SFT_LOSS,
+from molt_train.actor_config import (
     ActorConfig,
-    ActorGroup,
     FSDPConfig,
     OptimConfig,
     validate_actor_config,
+    validate_actor_devices,
 )
 from molt_train.checkpoint import CheckpointManager
-from molt_train.logger import LoggerConfig, MetricsLogger, format_final_message
+from molt_train.config import AlgoConfig
+from molt_train.logger import (
+    LoggerConfig,
+    MetricsLogger,
+    format_final_message,
+    validate_logger_config,
+)
+from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 from molt_train.quickstart import data_path
 
@@ -37,24 +43,26 @@ class SFTDataConfig:
     """Chat conversations (`--data.*`): rows with a list of messages, optionally tools."""
 
     train_files: list[str] = field(default_factory=lambda: [str(data_path("halves_sft.jsonl"))])
-    messages_key: str = "messages"
+    messages_key: str = "messages"  # the column holding each conversation's messages
     max_len: int = 2048  # longer conversations are cut (their tail is not trained)
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # a fresh seeded order of the conversations every epoch
+    seed: int = 0  # the shuffle's seed
 
 
 @dataclass
 class SFTTrainConfig:
     """The SFT loop (`--train.*`)."""
 
-    epochs: int = 1
+    epochs: int = 1  # passes over the conversations
     batch_size: int = 16  # conversations per optimizer step
-    output_dir: str = "runs"
-    ray_address: str | None = None
+    output_dir: str = "runs"  # the run directory is output_dir/<run name>
+    ray_address: str | None = None  # an existing Ray cluster; None starts a local one
 
 
 @dataclass
 class SFTConfig:
+    """`molt-train sft`: supervised fine-tuning on chat conversations."""
+
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(optim=OptimConfig(lr=1e-3)))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
@@ -69,7 +77,8 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         raise ValueError("--train.epochs and --train.batch_size must be >= 1")
     if cfg.data.max_len < 2:
         raise ValueError("--data.max_len must be >= 2")
-    validate_actor_config(cfg.actor, cfg.fsdp, None)
+    validate_actor_config(cfg.actor, cfg.fsdp)
+    validate_logger_config(cfg.logger)
 
 
 def assistant_sample(tokenizer, messages: list[dict], tools: list[dict] | None,
@@ -108,7 +117,9 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
 
     if not ray.is_initialized():
         ray.init(address=cfg.train.ray_address, include_dashboard=False, log_to_driver=False)
-    on_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    validate_actor_devices(cfg.actor, cfg.fsdp, gpus)
+    on_gpu = gpus > 0
     cfg.actor.model_path = cfg.actor.model_path or str(build_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
     rows = [
@@ -123,7 +134,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    actor = ActorGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
+    actor = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
     rng = random.Random(cfg.data.seed)
     step, metrics = 0, {}
@@ -135,7 +146,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
             for first in range(0, len(order), cfg.train.batch_size):
                 batch = [samples[i] for i in order[first : first + cfg.train.batch_size]]
                 t0 = time.perf_counter()
-                metrics = actor.train_step(batch, SFT_LOSS, None)
+                metrics = actor.train_step(batch, AlgoConfig(), sft=True)
                 metrics["timing/step_total"] = time.perf_counter() - t0
                 step += 1
                 logger.log(step, metrics)

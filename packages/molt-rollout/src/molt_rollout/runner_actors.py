@@ -3,7 +3,7 @@
 Each actor imports the researcher's module by path (`load_agent` inside the actor: a module
 loaded from a file does not pickle by reference), builds its own token client (one per event
 loop) and tokenizer, and serves `run_group` on its event loop, so many groups interleave in one
-process. `RunnerGroup.launch` is the pool's launcher: it returns a `concurrent.futures.Future`.
+process. `RunnerActors.launch` is the pool's launcher: it returns a `concurrent.futures.Future`.
 """
 
 from __future__ import annotations
@@ -12,40 +12,31 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-from dataclasses import dataclass
 
 import ray
 
-from molt_rollout.agent import Dropped, RunnerConfig, load_agent
+from molt_rollout.agent import Dropped
 from molt_rollout.client import TokenClient
+from molt_rollout.config import RolloutConfig
+from molt_rollout.loader import load_agent
 from molt_rollout.pool import GroupResult, PromptTask
 
 
-@dataclass
-class RunnersConfig:
-    """How many agent-runner actors and what each may use (`--rollout.*`)."""
-
-    num_runners: int = 2
-    cpus_per_runner: float = 0.25  # fractional: runners mostly wait on engines and agents
-    max_concurrent_groups: int = 256  # groups one runner interleaves on its event loop
-    startup_timeout_s: float = 300.0  # the actors must be up (agent imported) by then
-
-
-class AgentWorker:
+class RunnerActor:
     """The body of one runner actor (plain class, so it is testable without Ray)."""
 
-    def __init__(self, agent: str, model: str, router_url: str, runner: RunnerConfig,
-                 request_timeout_s: float, max_retries: int,
-                 eval_runner: RunnerConfig | None = None) -> None:  # fmt: skip
+    def __init__(self, agent: str, model: str, router_url: str, rollout: RolloutConfig,
+                 apply_chat_template: bool, request_timeout_s: float, max_retries: int,
+                 eval_rollout: RolloutConfig | None = None) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         runner_class = load_agent(agent)
         tokenizer = AutoTokenizer.from_pretrained(model)
         client = TokenClient(router_url, model, request_timeout_s, max_retries)
-        self.runner = runner_class(client, tokenizer, runner)
+        self.runner = runner_class(client, tokenizer, rollout, apply_chat_template)
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
         self.eval_runner = (
-            self.runner if eval_runner is None else self.runner.with_sampling(eval_runner)
+            self.runner if eval_rollout is None else self.runner.with_sampling(eval_rollout)
         )
 
     async def run_group(self, task: PromptTask) -> GroupResult:
@@ -67,23 +58,18 @@ class AgentWorker:
         self.runner.close()  # the eval runner shares its resources
 
 
-class RunnerGroup:
+class RunnerActors:
     """The runner actors of a run; `launch` hands groups out round-robin."""
 
-    def __init__(self, cfg: RunnersConfig, agent: str, model: str, router_url: str,
-                 runner: RunnerConfig, request_timeout_s: float, max_retries: int,
-                 eval_runner: RunnerConfig | None = None) -> None:  # fmt: skip
-        if cfg.num_runners < 1 or cfg.cpus_per_runner < 0:
-            raise ValueError("--rollout.num_runners must be >= 1, --rollout.cpus_per_runner >= 0")
+    def __init__(self, cfg: RolloutConfig, agent: str, model: str, router_url: str,
+                 apply_chat_template: bool, request_timeout_s: float, max_retries: int,
+                 eval_rollout: RolloutConfig | None = None) -> None:  # fmt: skip
         actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
-            AgentWorker
+            RunnerActor
         )
-        self.actors = [
-            actor.remote(
-                agent, model, router_url, runner, request_timeout_s, max_retries, eval_runner
-            )
-            for _ in range(cfg.num_runners)
-        ]
+        args = (agent, model, router_url, cfg, apply_chat_template, request_timeout_s,
+                max_retries, eval_rollout)  # fmt: skip
+        self.actors = [actor.remote(*args) for _ in range(cfg.num_runners)]
         self._next = itertools.cycle(self.actors)
         # Surface a bad agent module or model path now, not at the first group; and never wait
         # forever for actors the cluster has no CPUs to place.

@@ -1,10 +1,12 @@
 """One rank of an actor group: builds the sharded model, runs forward passes and optimizer
 steps, hands out full weights (refit, export) and writes sharded checkpoints.
 
-A plain class: `ActorGroup` runs it as `ray.remote(PolicyWorker)`, and
+A plain class: `ModelGroup` runs it as `ray.remote(ModelWorker)`, and
 benchmarks/actor_gpu_smoke.py runs it under torchrun without Ray. Every method after `setup`
 must be called on all ranks at once: each runs FSDP collectives.
 """
+
+from __future__ import annotations
 
 import copy
 import os
@@ -12,6 +14,7 @@ import random
 import resource
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,13 +23,12 @@ from nemo_automodel.components.training.model_output_utils import get_final_hidd
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from molt_algos import POLICY_LOSSES, LossConfig, aggregate, kl_estimate, value_loss
+from molt_algos import POLICY_LOSSES, aggregate, kl_estimate, value_loss
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_algos.masked import masked_mean
-from molt_train.actor import (
+from molt_train.actor_config import (
     DTYPES,
     ROUTER_MARKER,
-    SFT_LOSS,
     ActorConfig,
     FSDPConfig,
     lr_at,
@@ -40,7 +42,10 @@ from molt_train.checkpoint import (
     write_hf_checkpoint,
 )
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack, shift_right
-from molt_train.routing import install_replay_hooks, moe_routers, replaying
+
+if TYPE_CHECKING:
+    from molt_train.config import AlgoConfig
+from molt_train.routing_replay import install_replay_hooks, moe_routers, replaying
 
 
 def packed_token_stats(
@@ -117,8 +122,8 @@ def _hf_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-class PolicyWorker:
-    """One rank of the actor. Call `setup` on every rank at once (it joins the process group),
+class ModelWorker:
+    """One rank of a model group (policy, reference or critic). Call `setup` on every rank at once (it joins the process group),
     then any method on every rank at once: each runs FSDP collectives."""
 
     def __init__(
@@ -132,7 +137,7 @@ class PolicyWorker:
         routing_replay: bool = False,
     ) -> None:
         self.cfg, self.fsdp, self.role = cfg, fsdp, role
-        self.routing_replay = routing_replay  # molt_train.routing
+        self.routing_replay = routing_replay  # molt_train.routing_replay
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
         self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
         self.refitter = None
@@ -334,13 +339,9 @@ class PolicyWorker:
         microbatches: list[list[Sample]],
         num_tokens: int,
         num_sequences: int,
-        loss_name: str,
-        loss_cfg: LossConfig,
-        aggregation: str = "token-mean",
-        kl_loss_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        entropy_coef: float = 0.0,
-        value_clip: float | None = 0.2,
+        algo: AlgoConfig,
+        sft: bool = False,
+        value_clip: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences`
         count the whole step window (all ranks), so every microbatch's loss is its share of
@@ -356,7 +357,9 @@ class PolicyWorker:
         )
 
         def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
-            return aggregate(per_token, mask, aggregation, num_tokens, num_sequences, self.dp_size)
+            return aggregate(
+                per_token, mask, algo.aggregation, num_tokens, num_sequences, self.dp_size
+            )
 
         self.model.train()
         totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
@@ -371,10 +374,7 @@ class PolicyWorker:
                 if self.role == "critic":
                     loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
                 else:
-                    loss, stats, per_token = self._policy_loss(
-                        batch, reduce, loss_name, loss_cfg, kl_loss_coef, kl_estimator,
-                        entropy_coef,
-                    )  # fmt: skip
+                    loss, stats, per_token = self._policy_loss(batch, reduce, algo, sft)
                 loss.backward()
             tokens = int(batch.loss_mask.sum())
             for key, value in stats.items():
@@ -400,13 +400,10 @@ class PolicyWorker:
         self.steps += 1
 
         metrics = self._all_reduce_metrics(totals, weighted, num_tokens)
-        if "loss/clip_frac" in metrics:
-            metrics["policy_clip_ratio"] = metrics["loss/clip_frac"]
-            metrics["policy_kl"] = metrics["loss/approx_kl"]  # k3 of KL(pi_old || pi)
         metrics.update(
             {
-                "grad_norm": float(grad_norm),
-                "lr": lr,
+                "train/grad_norm": float(grad_norm),
+                "train/lr": lr,
                 "train/tokens": float(num_tokens),
                 "perf/peak_memory_gb": self._peak_memory_gb(),
             }
@@ -417,41 +414,40 @@ class PolicyWorker:
         self,
         batch: PackedBatch,
         reduce,
-        loss_name: str,
-        loss_cfg: LossConfig,
-        kl_loss_coef: float,
-        kl_estimator: str,
-        entropy_coef: float,
+        algo: AlgoConfig,
+        sft: bool,
     ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
         """(loss to backpropagate, summed stats, per-token-mean stats) of one microbatch: the
         policy loss weighted by the IS weights, minus the entropy bonus, plus the KL penalty."""
         mask = batch.loss_mask
         logprobs, entropy = self._token_stats(batch, with_entropy=True)
         old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
-        if loss_name == SFT_LOSS:  # supervised: the negative log-likelihood of trained tokens
+        if sft:  # supervised: the negative log-likelihood of trained tokens
             per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
         else:
-            result = POLICY_LOSSES[loss_name](
+            result = POLICY_LOSSES[algo.policy_loss](
                 logprobs,
                 logprobs.detach() if old is None else old,  # on-policy: ratio 1
                 _or_zeros(batch.fields["advantages"], logprobs),
                 mask,
-                loss_cfg,
+                algo.loss,
             )
             per_token, metrics = result.per_token, result.metrics
         if weights is not None:
             per_token = per_token * weights
         policy_loss = reduce(per_token, mask)
-        loss = policy_loss - entropy_coef * reduce(entropy, mask)
-        stats = dict(metrics, entropy=masked_mean(entropy.detach(), mask).item())
-        if kl_loss_coef > 0:
+        loss = policy_loss - algo.entropy_coef * reduce(entropy, mask)
+        stats = dict(metrics)
+        stats["loss/entropy"] = masked_mean(entropy.detach(), mask).item()
+        kl_cfg = algo.kl
+        if kl_cfg.loss_coef > 0:
             ref = batch.fields["ref_logprobs"]
             kl = kl_estimate(
-                logprobs, logprobs.detach() if ref is None else ref, mask, kl_estimator
+                logprobs, logprobs.detach() if ref is None else ref, mask, kl_cfg.estimator
             )
-            loss = loss + kl_loss_coef * reduce(kl, mask)
+            loss = loss + kl_cfg.loss_coef * reduce(kl, mask)
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
-        return loss, {"policy_loss": policy_loss.item() / self.dp_size}, stats
+        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
@@ -463,7 +459,7 @@ class PolicyWorker:
         old = values.detach() if old is None else old
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
         loss = reduce(result.per_token, batch.loss_mask)
-        return loss, {"value_loss": loss.item() / self.dp_size}, result.metrics
+        return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
 
     def _all_reduce_metrics(
         self, totals: dict[str, float], weighted: dict[str, float], num_tokens: int
@@ -544,10 +540,10 @@ class PolicyWorker:
             pass
         return {}
 
-    def engine_call(self, method: str, *args) -> None:
-        """set_version / pause / resume on rank 0's Refitter."""
+    def set_engine_version(self, version: int) -> None:
+        """The engines' weight version, without new weights (rank 0's Refitter)."""
         if self.rank == 0:
-            getattr(self.refitter, method)(*args)
+            self.refitter.set_version(version)
 
     # ------------------------------------------------------------------ checkpoints
 

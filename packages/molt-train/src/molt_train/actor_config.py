@@ -1,0 +1,118 @@
+"""The actor's configuration (`--actor.*`, `--actor.optim.*`, `--fsdp.*`), checked once at
+start-up, and the learning-rate schedule every rank follows."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROUTER_MARKER = "mlp.gate."  # Qwen3-MoE router weights: model.layers.N.mlp.gate.weight
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (`--actor.optim.*`, `--critic.optim.*`)."""
+
+    lr: float = 1e-6  # AdamW learning rate (peak, after warmup)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decays
+    eps: float = 1e-8  # AdamW denominator epsilon
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup (to min_lr)
+    min_lr: float = 0.0  # the floor of linear/cosine decay
+    total_steps: int | None = None  # decay horizon; required for linear/cosine
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this
+
+
+@dataclass
+class FSDPConfig:
+    """How every model is sharded and parallelised (`--fsdp.*`; AutoModel's FSDP2)."""
+
+    tp_size: int = 1  # tensor parallel ranks (GPU; AutoModel)
+    cp_size: int = 1  # context parallel ranks: > 1 is rejected (not wired to packing yet)
+    ep_size: int = 1  # expert parallel ranks for MoE models (GPU; AutoModel)
+    offload: Literal["none", "optimizer"] = "none"  # optimizer: Adam states, fp32 params on host
+    reshard_after_forward: bool = True  # ZeRO-3; False keeps layers gathered (ZeRO-2-like)
+
+
+@dataclass
+class ActorConfig:
+    """The policy model and its ranks (`--actor.*`); the reference and critic copy it."""
+
+    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model
+    num_workers: int = 2  # ranks (one per GPU; CPU processes on CPU)
+    max_tokens_per_microbatch: int = 8192  # packing budget per microbatch
+    gradient_checkpointing: bool = False  # activation checkpointing of decoder layers
+    logprob_chunk_size: int = 1024  # tokens per block of molt_algos' chunked log-probs
+    dtype: Literal["bf16", "fp32"] = "bf16"  # GPU compute dtype (fp32 master weights); CPU: fp32
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    freeze_moe_router: bool = False  # do not train MoE router weights
+    seed: int = 0  # base seed; each rank adds its rank
+
+
+def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
+    """Raise ValueError naming the flags of a bad combination (before Ray starts; the device
+    checks are `validate_actor_devices`)."""
+    n, optim = actor.num_workers, actor.optim
+    if n < 1:
+        raise ValueError(f"--actor.num_workers must be >= 1, got {n}")
+    for name in ("tp_size", "cp_size", "ep_size"):
+        size = getattr(fsdp, name)
+        if size < 1 or n % size:
+            raise ValueError(
+                f"--fsdp.{name} {size} must be >= 1 and divide --actor.num_workers {n}"
+            )
+    if n % (fsdp.tp_size * fsdp.cp_size):
+        raise ValueError(f"--fsdp.tp_size * --fsdp.cp_size must divide --actor.num_workers {n}")
+    if (n // fsdp.tp_size) % fsdp.ep_size:
+        raise ValueError("--fsdp.ep_size must divide --actor.num_workers / --fsdp.tp_size")
+    if fsdp.cp_size > 1:
+        raise ValueError(
+            "--fsdp.cp_size > 1 is not supported: microbatches pack several sequences into one "
+            "row (block-diagonal attention), and AutoModel's context parallelism over SDPA "
+            "(ring attention) needs one plain causal sequence per row. Use more "
+            "--actor.num_workers or a smaller --actor.max_tokens_per_microbatch instead."
+        )
+    if actor.max_tokens_per_microbatch < 1 or actor.logprob_chunk_size < 1:
+        raise ValueError("--actor.max_tokens_per_microbatch and --actor.logprob_chunk_size >= 1")
+    if not optim.lr > 0 or not 0 <= optim.min_lr <= optim.lr:
+        raise ValueError("--actor.optim.lr must be > 0 and --actor.optim.min_lr in [0, lr]")
+    if optim.warmup_steps < 0 or optim.max_grad_norm <= 0:
+        raise ValueError("--actor.optim.warmup_steps >= 0 and --actor.optim.max_grad_norm > 0")
+    if optim.schedule != "constant" and optim.total_steps is None:
+        raise ValueError(f"--actor.optim.schedule {optim.schedule} needs --actor.optim.total_steps")
+    if optim.total_steps is not None and optim.total_steps <= optim.warmup_steps:
+        raise ValueError("--actor.optim.total_steps must exceed --actor.optim.warmup_steps")
+
+
+def validate_actor_devices(actor: ActorConfig, fsdp: FSDPConfig, num_gpus_available: int) -> None:
+    """What depends on the cluster's GPUs (0 on CPU), once Ray knows them."""
+    n, on_gpu = actor.num_workers, num_gpus_available > 0
+    if not on_gpu and max(fsdp.tp_size, fsdp.ep_size) > 1:
+        raise ValueError(
+            "--fsdp.tp_size / --fsdp.ep_size > 1 need GPUs: AutoModel's tensor and expert "
+            "parallelism run on CUDA devices only; on CPU the actor is FSDP2 data-parallel."
+        )
+    if on_gpu and n > num_gpus_available:
+        raise ValueError(f"--actor.num_workers {n} exceeds the {num_gpus_available} GPUs available")
+
+
+def lr_at(step: int, optim: OptimConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): warmup (step + 1) / warmup_steps
+    of lr, then constant, or linear/cosine decay reaching min_lr at total_steps and staying."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / (optim.total_steps - optim.warmup_steps))
+    shape = (
+        1.0 - progress if optim.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    )
+    return optim.min_lr + (optim.lr - optim.min_lr) * shape
+
+
+def router_params(names: list[str]) -> list[str]:
+    """The MoE router weights among parameter names (frozen by --actor.freeze_moe_router)."""
+    return [name for name in names if ROUTER_MARKER in name]
