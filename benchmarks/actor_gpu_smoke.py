@@ -167,8 +167,8 @@ def main() -> None:
 
     from molt_algos import LossConfig
     from molt_train.model_group import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
-    from molt_train.packing import plan_microbatches
     from molt_train.model_worker import ModelWorker
+    from molt_train.packing import plan_microbatches
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -34,7 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from molt_capture.types import Generation, Rollout, Segment
-from molt_rollout.pool import GroupResult, PoolConfig, PromptTask, RolloutPool
+from molt_rollout.config import RolloutConfig
+from molt_rollout.pool import GroupResult, PromptTask, RolloutPool
 
 
 class InfiniteSource:
@@ -116,15 +117,14 @@ def run(args: argparse.Namespace, sync: bool) -> Measured:
     engine = SimEngine(
         args.slots, args.mean_latency_ms / 1e3, args.sigma, args.max_latency_factor, args.seed
     )
-    config = PoolConfig(
-        groups_per_batch=args.groups_per_batch,
+    rollout = RolloutConfig(groups_per_batch=args.groups_per_batch, n_samples_per_prompt=args.n,
+                            stale_policy=args.stale_policy)  # fmt: skip
+    pool = RolloutPool(
+        InfiniteSource(), engine.launch, rollout,
         max_inflight_groups=args.groups_per_batch if sync else args.max_inflight_groups,
-        n_samples_per_prompt=args.n,
         max_staleness=None if sync else args.max_staleness,
-        stale_policy=args.stale_policy,
         force_on_policy=sync,
-    )
-    pool = RolloutPool(InfiniteSource(), engine.launch, config)
+    )  # fmt: skip
     pool.start()
     waits, stale, lags = [], 0.0, []
     t_begin = 0.0

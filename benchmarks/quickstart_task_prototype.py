@@ -152,14 +152,13 @@ def train_step(model, optimizer, batch: dict, args) -> dict:
 
     rollouts = torch.arange(len(seqs))
     advantages = compute_advantages(
-        args.estimator,
         AdvantageBatch(
             rewards=torch.tensor(batch["rewards"]),
             action_mask=mask,
             group_ids=rollouts // args.n,
             rollout_ids=rollouts,
         ),
-        AdvantageConfig(),
+        AdvantageConfig(estimator=args.estimator),
     ).advantages
     loss = POLICY_LOSSES["ppo"](logprobs, old, advantages, mask, LossConfig())
     total = aggregate(loss.per_token * is_weights, mask)

@@ -9,7 +9,6 @@ import torch
 from molt_algos import (
     AdvantageBatch,
     AdvantageConfig,
-    ISConfig,
     LossConfig,
     aggregate,
     compute_advantages,
@@ -36,15 +35,14 @@ batch = AdvantageBatch(
     group_ids=torch.arange(GROUPS).repeat_interleave(SAMPLES),
     rollout_ids=torch.arange(rows),
 )
-advantages = compute_advantages("grpo", batch, AdvantageConfig())
+advantages = compute_advantages(batch, AdvantageConfig(estimator="grpo"))
 print("GRPO advantage per sample:", [round(v, 3) for v in advantages.advantages[:, -1].tolist()])
 
 with torch.no_grad():
     old_logprobs, _ = token_logprobs_and_entropy(hidden, lm_head, tokens, temperature=1.0)
 rollout_logprobs = old_logprobs + 0.05 * torch.randn_like(old_logprobs)  # engine/trainer mismatch
-correction = importance_correction(
-    old_logprobs, rollout_logprobs, action_mask, ISConfig("token", "trunc", 0.5, 2.0)
-)
+is_settings = AdvantageConfig(is_correction_level="token", is_correction_mode="trunc")
+correction = importance_correction(old_logprobs, rollout_logprobs, action_mask, is_settings)
 
 optimizer = torch.optim.SGD([lm_head], lr=0.5)
 logprobs, entropy = token_logprobs_and_entropy(hidden, lm_head, tokens, temperature=1.0)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from molt_rollout import RunnerConfig
+from molt_rollout import RolloutConfig
 from molt_rollout.data import PromptSource
-from molt_rollout.pool import PoolConfig, RolloutPool
-from molt_rollout.runner_actors import RunnerActors, RunnersConfig
+from molt_rollout.pool import RolloutPool
+from molt_rollout.runner_actors import RunnerActors
 
 AGENTS = Path(__file__).parent / "agents"
 ROWS = [
@@ -25,15 +25,16 @@ ROWS = [
 
 
 def make_runners(rollout, tiny_model, agent: str, **runner_kwargs) -> RunnerActors:
-    config = RunnerConfig(temperature=1.0, max_tokens=8, max_len=512, **runner_kwargs)
-    return RunnerActors(RunnersConfig(num_runners=1), str(AGENTS / agent), tiny_model,
-                       rollout.router.url, config, request_timeout_s=120, max_retries=2)  # fmt: skip
+    config = RolloutConfig(temperature=1.0, max_tokens=8, max_len=512, num_runners=1,
+                           **runner_kwargs)  # fmt: skip
+    return RunnerActors(config, str(AGENTS / agent), tiny_model, rollout.router.url, True,
+                        request_timeout_s=120, max_retries=2)  # fmt: skip
 
 
 def run_batches(runners, rows, batches=1, groups=2, n=2, **pool_kwargs):
-    pool_cfg = PoolConfig(groups_per_batch=groups, max_inflight_groups=groups,
-                          n_samples_per_prompt=n, **pool_kwargs)  # fmt: skip
-    pool = RolloutPool(PromptSource([rows], shuffle=False), runners.launch, pool_cfg)
+    rollout = RolloutConfig(groups_per_batch=groups, n_samples_per_prompt=n)
+    pool = RolloutPool(PromptSource([rows], shuffle=False), runners.launch, rollout,
+                       max_inflight_groups=groups, **pool_kwargs)  # fmt: skip
     pool.start()
     try:
         return [pool.next_batch(version=0, timeout_s=300) for _ in range(batches)]
@@ -153,9 +154,9 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
 
     weights = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     runners = runners_of("single_turn_env.py")
-    pool_cfg = PoolConfig(groups_per_batch=2, max_inflight_groups=4, n_samples_per_prompt=2,
-                          max_staleness=0, stale_policy="requeue")  # fmt: skip
-    pool = RolloutPool(PromptSource([ROWS], shuffle=False), runners.launch, pool_cfg)
+    settings = RolloutConfig(groups_per_batch=2, n_samples_per_prompt=2, stale_policy="requeue")
+    pool = RolloutPool(PromptSource([ROWS], shuffle=False), runners.launch, settings,
+                       max_inflight_groups=4, max_staleness=0)  # fmt: skip
     pool.start()
     requeued = 0.0
     try:
@@ -180,7 +181,7 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
 
 
 def test_runners_the_cluster_cannot_place_fail_with_the_flags(ray_cluster, tiny_model):
-    cfg = RunnersConfig(num_runners=1, cpus_per_runner=64, startup_timeout_s=3)
+    cfg = RolloutConfig(num_runners=1, cpus_per_runner=64, startup_timeout_s=3)
     with pytest.raises(RuntimeError, match="--rollout.cpus_per_runner = 64"):
         RunnerActors(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, "http://127.0.0.1:9",
-                    RunnerConfig(), request_timeout_s=10, max_retries=0)  # fmt: skip
+                     True, request_timeout_s=10, max_retries=0)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import FakeGenerator, assert_token_exact, build_tiny_tokenizer
-from molt_rollout import ChatRunner, EnvRunner, RunnerConfig, load_agent
+from molt_rollout import ChatRunner, EnvRunner, RolloutConfig, load_agent
 from molt_rollout.data import load_rows
 from molt_train import quickstart
 from molt_train.quickstart import data_path, halves_chat, halves_env, make_data
@@ -87,7 +87,7 @@ def test_chat_module_passes_the_contract_check(spec):
 @pytest.mark.parametrize("row, expected", [(FIRST_ROW, 1.0), (SECOND_ROW, 0.0)])
 def test_env_form_scores_a_scripted_reply(tokenizer, row, expected):
     gen = FakeGenerator(tokenizer, ["cat"])
-    rollout = run(halves_env.AgentRunner(gen, tokenizer, RunnerConfig(**CONFIG)), row)
+    rollout = run(halves_env.AgentRunner(gen, tokenizer, RolloutConfig(**CONFIG)), row)
     assert (rollout.reward, rollout.score) == (expected, expected)
     (seg,) = rollout.segments
     assert tokenizer.decode(seg.token_ids[seg.turns[0].start :]) == "c"  # one token, as sampled
@@ -97,7 +97,7 @@ def test_env_form_scores_a_scripted_reply(tokenizer, row, expected):
 @pytest.mark.parametrize("row, expected", [(FIRST_ROW, 1.0), (SECOND_ROW, 0.0)])
 def test_chat_form_scores_a_scripted_reply(tokenizer, row, expected):
     gen = FakeGenerator(tokenizer, ["cat"])
-    config = RunnerConfig(**CONFIG, generator_timeout_s=10)
+    config = RolloutConfig(**CONFIG, generator_timeout_s=10)
     rollout = run(halves_chat.AgentRunner(gen, tokenizer, config), row)
     assert (rollout.reward, rollout.score) == (expected, expected)
     assert gen.calls[0].params.max_tokens == 1  # the agent passes ctx.max_tokens on
@@ -106,7 +106,7 @@ def test_chat_form_scores_a_scripted_reply(tokenizer, row, expected):
 
 def test_both_forms_send_the_engine_identical_prompt_tokens(tokenizer):
     env_gen, chat_gen = FakeGenerator(tokenizer, ["q"]), FakeGenerator(tokenizer, ["q"])
-    run(halves_env.AgentRunner(env_gen, tokenizer, RunnerConfig(**CONFIG)), SECOND_ROW)
-    config = RunnerConfig(**CONFIG, generator_timeout_s=10)
+    run(halves_env.AgentRunner(env_gen, tokenizer, RolloutConfig(**CONFIG)), SECOND_ROW)
+    config = RolloutConfig(**CONFIG, generator_timeout_s=10)
     run(halves_chat.AgentRunner(chat_gen, tokenizer, config), SECOND_ROW)
     assert env_gen.calls[0].token_ids == chat_gen.calls[0].token_ids

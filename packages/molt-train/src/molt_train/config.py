@@ -86,7 +86,7 @@ class RefConfig:
 
     enable: bool = False  # start a frozen reference policy (KL, distillation)
     model_path: str = ""  # "": the actor's initial weights
-    num_workers: int = 1
+    num_workers: int = 1  # ranks of the reference (one per GPU)
 
 
 @dataclass
@@ -94,8 +94,8 @@ class CriticConfig:
     """The PPO value model, used by `--algo.advantage.estimator gae` (`--critic.*`)."""
 
     model_path: str = ""  # "": initialised from the actor's model (its LM head unused)
-    num_workers: int = 1
-    value_clip: float | None = 0.2
+    num_workers: int = 1  # ranks of the critic (one per GPU)
+    value_clip: float | None = 0.2  # clip of the value update around the old values; None: off
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 

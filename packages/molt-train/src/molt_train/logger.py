@@ -85,7 +85,7 @@ class MetricsLogger:
     """Every enabled sink behind one `log` call. Usable as a context manager."""
 
     def __init__(self, cfg: LoggerConfig, run_dir: str, config_dict: dict[str, Any]):
-        validate_logger_config(cfg)
+        """`cfg` passed `validate_logger_config` at start-up."""
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)

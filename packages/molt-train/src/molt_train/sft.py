@@ -42,6 +42,7 @@ from molt_train.quickstart import data_path
 class SFTDataConfig:
     """Chat conversations (`--data.*`): rows with a list of messages, optionally tools."""
 
+    # Chat datasets (files, saved datasets or hub ids); default: the shipped quickstart chats.
     train_files: list[str] = field(default_factory=lambda: [str(data_path("halves_sft.jsonl"))])
     messages_key: str = "messages"  # the column holding each conversation's messages
     max_len: int = 2048  # longer conversations are cut (their tail is not trained)
