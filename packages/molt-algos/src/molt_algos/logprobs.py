@@ -1,32 +1,7 @@
-"""Per-token log-probabilities and entropy without full-vocabulary float32 tensors.
-
-For token t with hidden state h_t, LM-head weight W [V, H], target y_t and temperature τ:
-
-    z_t   = (W h_t) / τ                 logits of the sampling distribution, in float32 (or 64)
-    lse_t = log Σ_v exp(z_tv)
-    lp_t  = z_t,y_t − lse_t             log π(y_t)
-    H_t   = −Σ_v p_tv log p_tv          entropy, with p_t = softmax(z_t)
-
-These are the log-probabilities of the temperature-scaled distribution, the one the rollout
-engine samples from (vLLM's processed logprobs). A naive implementation holds z for the whole
-batch in float32, T·V·4 bytes (5 GB at T = 8192, V = 151,936), and autograd keeps several
-tensors of that size for the backward pass. Here the forward pass walks the tokens in blocks of
-`chunk_size` rows and keeps only lse, lp and H per token; the backward pass recomputes the logits
-block by block from the saved inputs (one extra matmul, traded for the memory). Logits are
-produced in the input dtype (as the model's own matmul would) and upcast to float32 one block at
-a time; gradients are handed back in the input dtype, as autograd would.
-
-Gradients, with g_t and e_t the upstream gradients of lp_t and H_t:
-
-    ∂lp_t/∂z_tv = 1[v = y_t] − p_tv
-    ∂H_t/∂z_tv  = −p_tv (log p_tv + H_t)
-    ∂L/∂logits_tv = (g_t (1[v = y_t] − p_tv) − e_t p_tv (log p_tv + H_t)) / τ
-
-and from there ∂L/∂h = (∂L/∂logits) W and ∂L/∂W = (∂L/∂logits)ᵀ h. Target ids must lie in
-[0, V); masking padded or prompt tokens is the caller's job (pass any valid id there and mask the
-result). These functions return tensors only: per-token values have no batch summary that is
-meaningful without the loss mask, so metrics such as mean entropy belong to the aggregation step.
-"""
+"""Per-token log-probabilities and entropy of the temperature-scaled distribution (the one vLLM
+samples from) without full-vocabulary float32 tensors: the forward walks tokens in blocks and
+keeps per-token values only; the backward recomputes each block's logits. The formulas and the
+gradient derivation are in docs/algorithms.md ("Log-probabilities and entropy, chunked")."""
 
 import math
 from typing import NamedTuple
@@ -183,15 +158,9 @@ def _log_probs(logits: Tensor, lse: Tensor, temperature: float) -> Tensor:
 
 
 class _Coefficients(NamedTuple):
-    """Per-row terms of ∂L/∂logits, fixed for the whole backward pass.
-
-    With g = (∂L/∂lp) / τ and e = (∂L/∂H) / τ (the chain rule's 1/τ folded in), every logit v of
-    row t has ∂L/∂logits_tv = p_tv (a_t log p_tv + c_t) + g_t 1[v = y_t], a = −e, c = −e H − g
-    (a is None when no gradient reaches the entropy). `at_target` is that value at v = y_t,
-    computed once in full precision from the saved lp_t; it is written over the target column
-    after the rest of the block has been rounded to the input dtype, so the cancellation in
-    g (1 − p) never happens in bf16.
-    """
+    """Per-row terms a, c of ∂L/∂logits = p (a log p + c) + g 1[v = y] (docs/algorithms.md),
+    fixed for the whole backward; `a` is None without an entropy gradient. `at_target`, the
+    value at v = y in full precision, overwrites the target column after bf16 rounding."""
 
     a: Tensor | None
     c: Tensor

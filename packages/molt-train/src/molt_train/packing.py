@@ -1,26 +1,9 @@
 """Token-budget packing of rollout segments into microbatches, and their split across ranks.
 
-A microbatch is ONE row of concatenated sequences whose `position_ids` restart at 0 for each
-sequence. Transformers (5.x) reads restarting position ids without an attention mask as packed
-documents and builds a block-diagonal causal mask, so no token attends across a sequence border
-(checked against one-at-a-time forwards in tests/test_packing.py). Packing wastes no compute
-on padding, which a padded [num_seqs, max_len] batch would.
-
-Log-prob convention (shared with molt-capture's `Segment`): the value at position t is
-log p(token_ids[t] | token_ids[:t]); position 0 has no context and carries 0.0. In a packed row
-the model's output at packed position p predicts token p + 1, so per-token results are
-computed from `hidden[:-1]` against `input_ids[1:]` and shifted right by one (`shift_right`);
-the first token of every sequence then holds a cross-sequence value that is never used.
-
-Native AutoModel layers that attend causally over the whole row without transformers' mask
-code (Qwen3-MoE, for one) would let packed sequences see each other; for them the worker uses
-padded rows instead (`padded=True`): one right-padded sequence per row, whose causal attention
-never reaches the padding, with the budget counted as rows × longest row.
-
-The loss functions need one row per sequence (GSPO's sequence ratio, seq-mean aggregation), so
-per-token results are scattered from the packed row into a padded [S, L] layout by
-`PackedBatch.to_rows`; the samples' own fields (advantages, weights, ...) are built in that
-layout directly.
+A microbatch is one row of concatenated sequences whose position ids restart at 0 for each one
+(or, for native layers that ignore them, padded rows). Position t holds log p(token_ids[t] |
+token_ids[:t]); position 0 carries 0.0. The layout, the attention it relies on and the
+log-prob shift are explained in docs/training.md ("Packing").
 """
 
 from dataclasses import dataclass
