@@ -32,9 +32,8 @@ SHARD_BYTES = 5 << 30  # safetensors shard size of an HF export
 
 
 class CheckpointManager:
-    def __init__(self, root: str, keep_last: int = 3) -> None:
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    def __init__(self, root: str, keep_last: int) -> None:
+        """`keep_last` >= 1 (--ckpt.keep_last, checked at start-up)."""
         self.root = Path(root)
         self.keep_last = keep_last
 

@@ -121,7 +121,8 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     validate_actor_devices(cfg.actor, cfg.fsdp, gpus)
     on_gpu = gpus > 0
-    cfg.actor.model_path = cfg.actor.model_path or str(build_tiny_model())
+    model = cfg.actor.model_path or str(build_tiny_model())
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
     rows = [
         row for f in cfg.data.train_files for row in load_rows(f, prompt_key=cfg.data.messages_key)
