@@ -91,6 +91,8 @@ def test_missing_file_and_module(tmp_path):
         load_agent(str(tmp_path / "nope.py"))
     with pytest.raises(AgentLoadError, match="no module named 'no_such_agent_module'"):
         load_agent("no_such_agent_module")
+    with pytest.raises(AgentLoadError, match="is a directory: give the .py file"):
+        load_agent(str(tmp_path))
 
 
 def test_import_failure_is_named(tmp_path):

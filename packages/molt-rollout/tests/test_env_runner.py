@@ -141,14 +141,15 @@ def test_env_state_follows_the_conversation(tokenizer):
 
     class Recorder(Calculator):
         async def step(self, state):
-            seen.append((state.turn, state.finish_reason, [m["role"] for m in state.messages]))
+            seen.append((state.turn, state.finish_reason, [m["role"] for m in state.messages],
+                         state.rollout_id, state.group_id))  # fmt: skip
             return await super().step(state)
 
     runner, _ = make_runner(tokenizer, Recorder, [CALL, "The answer is 3."])
     rollout = run(runner)
     assert seen == [
-        (0, "stop", ["system", "user", "assistant"]),
-        (1, "stop", ["system", "user", "assistant", "tool", "assistant"]),
+        (0, "stop", ["system", "user", "assistant"], "r0", "g0"),
+        (1, "stop", ["system", "user", "assistant", "tool", "assistant"], "r0", "g0"),
     ]
     assert rollout.reward == pytest.approx(1.1)
 

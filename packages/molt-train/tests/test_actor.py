@@ -24,6 +24,8 @@ from molt_train.config import AlgoConfig
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
+TOKEN_MEAN = AlgoConfig(aggregation="token-mean")  # ppo, as a resolved run config has it
+
 # eps well above the fp32 noise of the tiniest gradients, whose Adam update g / (|g| + eps)
 # would otherwise amplify summation-order differences between microbatch splits.
 OPTIM = OptimConfig(
@@ -36,7 +38,9 @@ OPTIM = OptimConfig(
     eps=1e-5,
 )
 PPO_WIDE = LossConfig(clip_low=0.2, clip_high=10.0)  # no clipping in a few steps
-KL_AND_ENTROPY = AlgoConfig(loss=PPO_WIDE, kl=KLConfig(loss_coef=0.01), entropy_coef=1e-3)
+KL_AND_ENTROPY = AlgoConfig(
+    loss=PPO_WIDE, aggregation="token-mean", kl=KLConfig(loss_coef=0.01), entropy_coef=1e-3
+)
 
 
 def config(tiny_model: str, num_workers: int, **overrides) -> ActorConfig:
@@ -187,11 +191,11 @@ def test_two_workers_step_like_one_worker(policy, tiny_model, hf_model):
         config(tiny_model, 1, max_tokens_per_microbatch=40), FSDPConfig(), on_gpu=False
     )
     try:
-        one = single.train_step(samples, AlgoConfig())
+        one = single.train_step(samples, TOKEN_MEAN)
         one_state = single.full_state()
     finally:
         single.shutdown()
-    two = policy.train_step(samples, AlgoConfig())
+    two = policy.train_step(samples, TOKEN_MEAN)
     two_state = policy.full_state()
 
     for key in (
@@ -264,8 +268,7 @@ def test_critic_learns_returns(ray_cluster, tiny_model, hf_model):
             if not m
         )
         losses = [
-            critic.train_step(samples, AlgoConfig(), value_clip=None)["loss/value"]
-            for _ in range(4)
+            critic.train_step(samples, TOKEN_MEAN, value_clip=None)["loss/value"] for _ in range(4)
         ]
         assert losses[-1] < 0.2 * losses[0]
     finally:
@@ -283,9 +286,9 @@ def test_sft_trains_the_negative_log_likelihood(policy, hf_model):
         for v, m in zip(row, s.loss_mask, strict=True)
         if m
     ]
-    first = policy.train_step(samples, AlgoConfig(), sft=True)
+    first = policy.train_step(samples, TOKEN_MEAN, sft=True)
     assert first["loss/policy"] == pytest.approx(-sum(trained) / len(trained), abs=1e-5)
-    assert policy.train_step(samples, AlgoConfig(), sft=True)["loss/policy"] < first["loss/policy"]
+    assert policy.train_step(samples, TOKEN_MEAN, sft=True)["loss/policy"] < first["loss/policy"]
 
 
 def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
@@ -313,7 +316,9 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
             for sample, values in zip(samples, replayed, strict=True):
                 sample.old_logprobs = values
             initial = group.full_state()["model"]
-            steps.append(group.train_step(samples, AlgoConfig(loss=PPO_WIDE)))
+            steps.append(
+                group.train_step(samples, AlgoConfig(loss=PPO_WIDE, aggregation="token-mean"))
+            )
             states.append(group.full_state())
         finally:
             group.shutdown()

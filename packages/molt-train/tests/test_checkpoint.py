@@ -18,6 +18,8 @@ from molt_train.config import AlgoConfig
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
+TOKEN_MEAN = AlgoConfig(aggregation="token-mean")  # ppo, as a resolved run config has it
+
 
 class FileGroup:
     """Writes `weights.txt` holding its value; `crash` raises midway through a save."""
@@ -99,10 +101,10 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
     manager = CheckpointManager(str(tmp_path / "ckpt"), keep_last=3)
     group = ModelGroup(cfg, FSDPConfig(), on_gpu=False)
     try:
-        group.train_step(samples, AlgoConfig())
+        group.train_step(samples, TOKEN_MEAN)
         path = manager.save(1, {"policy": group}, {"step": 1})
         saved = group.full_state()
-        expected = group.train_step(samples, AlgoConfig())
+        expected = group.train_step(samples, TOKEN_MEAN)
         after = group.full_state()
     finally:
         group.shutdown()
@@ -112,7 +114,7 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
         assert manager.load(manager.latest(), {"policy": resumed}) == {"step": 1}
         assert manager.latest() == path
         assert_same_state(resumed.full_state(), saved)
-        metrics = resumed.train_step(samples, AlgoConfig())
+        metrics = resumed.train_step(samples, TOKEN_MEAN)
         # Everything but the process's memory peak; lr (warmup step 2 of 3): the scheduler resumed.
         for metrics_ in (metrics, expected):
             metrics_.pop("perf/peak_memory_gb")

@@ -172,9 +172,24 @@ def test_console_table(tmp_path, capsys):
     assert [int(line.split()[0]) for line in lines[1:]] == [1, 2, 4]
     assert len({len(line) for line in lines}) == 1  # fixed-width columns
     assert lines[1].split() == ["1", "0.2500", "-", "-0.5"] + ["-"] * 5 + ["3.00", "-", "-"]
-    assert lines[2].split() == ["2", "0.7500", "0.500", "nan"] + ["-"] * 8
+    assert lines[2].split() == ["2", "0.7500", "0.500", "-"] + ["-"] * 8  # NaN shows as "-"
     assert lines[3].split() == ["4"] + ["-"] * 5 + ["12.35", "-", "-", "-", "98765", "-"]
     assert "\x1b" not in "".join(lines)
+
+
+def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):
+    cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, console=False)
+    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"x/y": float(step)})
+            logger.log_samples(step, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    # The run crashed after step 3; its latest checkpoint is step 2, so step 3 is redone.
+    with MetricsLogger(cfg, str(tmp_path), {}, resumed_at=2) as logger:
+        logger.log(3, {"x/y": 30.0})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x/y"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    samples = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in samples] == [1, 2]
 
 
 def test_console_off_prints_nothing(tmp_path, capsys):

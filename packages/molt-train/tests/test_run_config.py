@@ -258,3 +258,13 @@ def test_dynamic_filter_keeps_groups_whose_scores_differ():
     assert not keep_informative_group(group(0.0, 0.0))
     # The score decides when the agent gives one (a shaped reward may differ meanwhile).
     assert not keep_informative_group(group(1.0, 1.0, rewards=[0.5, 0.9]))
+
+
+def test_aggregation_defaults_to_the_losss_own():
+    """GSPO's objective is a mean over sequences; token-mean would weight them by length."""
+    from molt_train.config import resolved
+
+    assert resolved(parse(["--algo.policy_loss", "gspo"])).algo.aggregation == "seq-mean-token-mean"
+    assert resolved(parse([])).algo.aggregation == "token-mean"
+    explicit = ["--algo.policy_loss", "gspo", "--algo.aggregation", "token-mean"]
+    assert resolved(parse(explicit)).algo.aggregation == "token-mean"

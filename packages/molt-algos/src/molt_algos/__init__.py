@@ -33,6 +33,7 @@ from molt_algos.kl import (
 )
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_algos.losses import (
+    LOSS_AGGREGATION,
     POLICY_LOSSES,
     LossConfig,
     PolicyLoss,
@@ -52,6 +53,7 @@ __all__ = [
     "IS_MODES",
     "KL_ESTIMATORS",
     "KL_IN_REWARD_ESTIMATORS",
+    "LOSS_AGGREGATION",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageBatch",

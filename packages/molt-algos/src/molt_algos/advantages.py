@@ -121,20 +121,20 @@ class _Rollouts:
         return cls(of_row=of_row, rewards=rewards, groups=groups)
 
     def group_mean_std(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Per rollout: its group's mean reward, unbiased std (0 for a singleton) and size."""
-        num_groups = int(self.groups.max()) + 1 if self.groups.numel() else 0
-        count = torch.zeros(num_groups, device=self.rewards.device).index_add_(
-            0, self.groups, torch.ones_like(self.rewards)
-        )
-        total = torch.zeros(num_groups, device=self.rewards.device).index_add_(
-            0, self.groups, self.rewards
-        )
-        mean = (total / count)[self.groups]
-        squares = torch.zeros(num_groups, device=self.rewards.device).index_add_(
-            0, self.groups, (self.rewards - mean) ** 2
-        )
-        var = squares / (count - 1).clamp(min=1)
-        return mean, var.sqrt()[self.groups], count[self.groups]
+        """Per rollout: its group's mean reward, unbiased std (0 for a singleton) and size, in
+        float64. A group whose rewards are all equal gets its reward as the mean and std 0
+        exactly (a float mean could round off it, and eps would then magnify the rounding
+        into an advantage), so every group baseline gives it exactly zero."""
+        rewards, groups = self.rewards.double(), self.groups
+        num_groups = int(groups.max()) + 1 if groups.numel() else 0
+        zeros = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device)
+        count = zeros.index_add(0, groups, torch.ones_like(rewards))
+        mean = (zeros.index_add(0, groups, rewards) / count)[groups]
+        low = zeros.scatter_reduce(0, groups, rewards, "amin", include_self=False)
+        high = zeros.scatter_reduce(0, groups, rewards, "amax", include_self=False)
+        mean = torch.where((low == high)[groups], rewards, mean)
+        var = zeros.index_add(0, groups, (rewards - mean) ** 2) / (count - 1).clamp(min=1)
+        return mean, var.sqrt()[groups], count[groups]
 
     def broadcast(self, per_rollout: Tensor, action_mask: Tensor) -> Tensor:
         """[R] -> [B, T]: each rollout's value on every action token of every one of its segments."""
@@ -229,7 +229,7 @@ def _summary(advantages: Tensor, mask: Tensor, **extra: Tensor) -> dict[str, flo
 def _group_advantages(
     batch: AdvantageBatch, per_rollout: Tensor, rollouts: _Rollouts
 ) -> Advantages:
-    advantages = rollouts.broadcast(per_rollout, batch.action_mask)
+    advantages = rollouts.broadcast(per_rollout.float(), batch.action_mask)
     return Advantages(advantages, None, _summary(advantages, batch.action_mask))
 
 
@@ -291,7 +291,8 @@ def reinforce_baseline(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantage
     reward, discounted returns and batch whitening as in `reinforce`."""
     rollouts = _Rollouts.from_batch(batch)
     mean, _, _ = rollouts.group_mean_std()
-    return _discounted_return_advantages(batch, cfg, rollouts, rollouts.rewards - mean)
+    baselined = (rollouts.rewards.double() - mean).float()
+    return _discounted_return_advantages(batch, cfg, rollouts, baselined)
 
 
 def gae(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:

@@ -124,6 +124,8 @@ def cispo(
 
 POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 PolicyLossName = Literal["ppo", "gspo", "cispo"]  # the keys above, for typed configs
+# The aggregation each loss's paper optimises: GSPO's objective is a mean over sequences.
+LOSS_AGGREGATION = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}
 
 
 def value_loss(

@@ -59,6 +59,8 @@ class EnvState:
     reply: Reply | None = None  # parsed: content, reasoning, tool_calls (name, arguments)
     transcript: str = ""  # everything after the prompt, decoded: replies and observations
     data: dict[str, Any] = field(default_factory=dict)
+    rollout_id: str = ""  # this rollout's id (also on the trained Rollout), e.g. to tag logs
+    group_id: str = ""  # its prompt group's id: the n rollouts of one prompt share it
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import ray
 
+from molt_rollout import lifeline
 from molt_rollout.config import VLLMConfig, server_args
 
 LOG_TAIL_LINES = 40
@@ -63,9 +64,8 @@ class EngineServer:
         with self.log_path.open("w") as log:
             log.write(" ".join(command) + "\n")
             log.flush()
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            # Tied to this actor's process: a killed driver (and so actor) leaves no server.
+            self.process = lifeline.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
         return self.url
 
@@ -102,15 +102,10 @@ class EngineServer:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, 15)  # the server and its engine-core children
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
+    def stop(self) -> None:
+        """The server and its engine-core children (one process group)."""
+        if self.process is not None:
+            lifeline.stop(self.process)
 
 
 @ray.remote(num_cpus=0)

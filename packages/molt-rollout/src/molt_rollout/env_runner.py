@@ -97,7 +97,8 @@ class EnvRunner:
         seg = Segment(temperature=cfg.temperature, top_p=cfg.top_p)
         seg.append_context(prompt_ids)
         segments = [seg]
-        state = EnvState(row=row, messages=messages, tools=tools, label=row.get("label"))
+        state = EnvState(row=row, messages=messages, tools=tools, label=row.get("label"),
+                         rollout_id=rollout_id, group_id=group_id)  # fmt: skip
         timings = {"generate": 0.0, "env": 0.0}
         env = await self._env_call(self._new_env(), timings)
         await self._env_call(env.reset(state), timings)

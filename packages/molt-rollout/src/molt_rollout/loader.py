@@ -59,6 +59,11 @@ def agent_problems(runner: Any) -> list[str]:
 def _import(path_or_module: str):
     path = Path(path_or_module)
     if path.suffix == ".py" or "/" in path_or_module:
+        if path.is_dir():
+            raise AgentLoadError(
+                f"agent path {path} is a directory: give the .py file that defines AgentRunner, "
+                "or a dotted module name"
+            )
         if not path.is_file():
             raise AgentLoadError(f"agent file {path} does not exist")
         name = f"molt_agent_{path.stem}"

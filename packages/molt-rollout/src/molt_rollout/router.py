@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from molt_rollout import lifeline
 from molt_rollout.config import RouterConfig
 from molt_rollout.engine import EngineError, free_port, log_tail
 
@@ -45,7 +46,8 @@ class Router:
         ]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            # Tied to the driver's process: a killed driver leaves no router.
+            self.process = lifeline.spawn(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -64,9 +66,5 @@ class Router:
         )
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.process is not None:
+            lifeline.stop(self.process)

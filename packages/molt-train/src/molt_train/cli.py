@@ -47,9 +47,10 @@ _TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
 _BOOL_WORDS = {"true": "True", "false": "False", "True": "True", "False": "False"}
 
 
-def parse(argv: list[str], config_type: type = RunConfig):
+def parse(argv: list[str], config_type: type = RunConfig, default=None):
     """`--config FILE` and flags -> config (exits with the CLI's message on an unknown flag, a
-    bad value or a bad config file)."""
+    bad value or a bad config file). `default`: the config the flags change (and `--help`
+    shows), instead of the dataclass defaults."""
     argv = list(argv)
     if "--config" in argv:
         i = argv.index("--config")
@@ -57,7 +58,7 @@ def parse(argv: list[str], config_type: type = RunConfig):
             _exit("--config needs a file: TOML, YAML or JSON")
         argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
     argv = normalise_bools(argv, bool_flags(config_type))
-    return tyro.cli(config_type, args=argv, prog="molt-train", **_TYRO_STYLE)
+    return tyro.cli(config_type, args=argv, prog="molt-train", default=default, **_TYRO_STYLE)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,15 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "flags-doc":
         write_flags_doc(argv[1] if len(argv) > 1 else "docs/flags.md")
         return
-    if argv and argv[0] == "quickstart":
-        argv = QUICKSTART + argv[1:]
-    cfg = parse(argv)
+    if argv and argv[0] == "quickstart":  # its settings are the defaults `--help` shows
+        cfg = parse(argv[1:], default=parse(QUICKSTART))
+    else:
+        cfg = parse(argv)
     from molt_train.loop import train
+    from molt_train.signals import Stopped
 
     try:
         train(cfg)  # validates before Ray or any engine starts
     except StartupError as error:
         _exit(str(error))
+    except Stopped as stop:  # SIGTERM / SIGINT: the loop has shut down cleanly
+        print(f"molt-train: {stop}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
 
 
 def _exit(message: str) -> typing.NoReturn:

@@ -10,11 +10,13 @@ the actor's are in actor_config.py; this module composes them and adds the loop'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from molt_algos import (
     GROUP_ESTIMATORS,
     KL_IN_REWARD_ESTIMATORS,
+    LOSS_AGGREGATION,
     AdvantageConfig,
     AggregationName,
     KLConfig,
@@ -74,7 +76,9 @@ class AlgoConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy_loss: PolicyLossName = "ppo"  # the policy loss (docs/algorithms.md)
     loss: LossConfig = field(default_factory=LossConfig)
-    aggregation: AggregationName = "token-mean"  # how per-token losses become one scalar
+    # How per-token losses become one scalar; None: the policy loss's own (molt_algos'
+    # LOSS_AGGREGATION: seq-mean-token-mean for gspo, as its paper, token-mean otherwise).
+    aggregation: AggregationName | None = None
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # entropy bonus in the loss
@@ -106,6 +110,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end of the run
     keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
+    save_on_exit: bool = True  # SIGTERM/SIGINT: checkpoint the last finished step, then stop
     export_hf: bool = True  # safetensors of the final policy, loadable by vLLM and HF
 
 
@@ -133,6 +138,15 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """The config with every setting that defaults to "decided by another" decided: what runs,
+    and what config.json records."""
+    algo = cfg.algo
+    if algo.aggregation is None:
+        algo = dataclasses.replace(algo, aggregation=LOSS_AGGREGATION[algo.policy_loss])
+    return dataclasses.replace(cfg, algo=algo)
 
 
 def may_train_stale_tokens(cfg: RunConfig) -> bool:

@@ -84,8 +84,10 @@ def has_wandb_credentials() -> bool:
 class MetricsLogger:
     """Every enabled sink behind one `log` call. Usable as a context manager."""
 
-    def __init__(self, cfg: LoggerConfig, run_dir: str, config_dict: dict[str, Any]):
-        """`cfg` passed `validate_logger_config` at start-up."""
+    def __init__(self, cfg: LoggerConfig, run_dir: str, config_dict: dict[str, Any],
+                 resumed_at: int | None = None) -> None:  # fmt: skip
+        """`cfg` passed `validate_logger_config` at start-up. `resumed_at`: the step a resumed
+        run continues from; the JSONL files lose the rows of later steps, which it redoes."""
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
@@ -95,6 +97,9 @@ class MetricsLogger:
 
         if cfg.jsonl:
             self.paths["metrics"] = os.path.join(self.run_dir, "metrics.jsonl")
+            if resumed_at is not None:
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    _drop_steps_after(os.path.join(self.run_dir, name), resumed_at)
 
         self._tensorboard = None
         if cfg.tensorboard:
@@ -186,10 +191,12 @@ def console_header() -> str:
 
 
 def console_line(step: int, metrics: dict[str, float]) -> str:
-    """One fixed-width table row; a missing metric prints as '-'."""
+    """One fixed-width table row; a missing or NaN metric prints as '-'."""
     cells = [f"{step:>{STEP_WIDTH}}"]
     for _, key, width, fmt in CONSOLE_COLUMNS:
-        text = format(metrics[key], fmt) if key in metrics else "-"
+        value = metrics.get(key)
+        # Missing, or NaN (e.g. is/vllm_kl of a batch whose tokens are all stale): "-".
+        text = "-" if value is None or math.isnan(value) else format(value, fmt)
         cells.append(f"{text:>{width}}")
     return " ".join(cells)
 
@@ -217,6 +224,17 @@ def _as_float(key: str, value: Any) -> float:
         return float(value)  # also Python ints and bools, numpy and 0-d torch scalars
     except (TypeError, ValueError):
         raise TypeError(f"metric {key!r} is not a number: {value!r}") from None
+
+
+def _drop_steps_after(path: str, step: int) -> None:
+    """Keep the rows of steps up to `step` (written to a new file, then renamed over)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _append_jsonl(path: str, rows: list[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""The RL loop. `train(cfg)` reads top to bottom:
+"""The RL loop. `train(cfg)` checks the config, the agent module and the data (a user error
+fails here, before Ray starts), then `_run` reads top to bottom:
 
     build engines, router, runners and the streaming pool
     build the policy actor (and the reference and critic when asked for)
@@ -7,7 +8,7 @@
 
 Engines keep generating the next groups while the actor trains (unless --train.force_on_policy);
 the weight version is the optimizer step count, and every trained token carries the version
-that sampled it.
+that sampled it. SIGTERM and SIGINT stop it at the next safe point (molt_train.signals).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import ray
 
 from molt_algos import GROUP_ESTIMATORS, kl_controller
-from molt_rollout.data import PromptSource, load_eval_rows
+from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
 from molt_rollout.runner_actors import RunnerActors
@@ -28,18 +29,33 @@ from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.actor_config import ActorConfig
 from molt_train.checkpoint import CheckpointManager
-from molt_train.config import RunConfig, validate_agent, validate_devices, validate_run_config
+from molt_train.config import (
+    RunConfig,
+    StartupError,
+    resolved,
+    validate_agent,
+    validate_devices,
+    validate_run_config,
+)
 from molt_train.experience import make_experience
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
 from molt_train.model_group import ModelGroup
+from molt_train.signals import GracefulStop, Stopped
 
 
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics. Bad settings raise StartupError
     before Ray starts (the device checks right after), naming the flags."""
     validate_run_config(cfg)
+    cfg = resolved(cfg)
     validate_agent(cfg)  # a broken agent module fails here, in the driver, by name
+    source, eval_rows = load_prompts(cfg.data)  # so does a bad data file, naming file and row
+    with GracefulStop() as stop:
+        return _run(cfg, stop, source, eval_rows)
+
+
+def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: list[dict]):
     start_ray(cfg)
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
     validate_devices(cfg, cluster_gpus)
@@ -48,8 +64,6 @@ def train(cfg: RunConfig) -> dict[str, float]:
     # The resolved config names the model that trained.
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
     cfg, run_dir = prepare_run_dir(cfg)
-    source = PromptSource.from_config(cfg.data)  # a bad data file fails before engines start
-    eval_rows = load_eval_rows(cfg.data)
 
     # ---- generation: engines, router, agent runners, the streaming pool --------------------
     rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
@@ -98,62 +112,77 @@ def train(cfg: RunConfig) -> dict[str, float]:
     else:
         policy.set_engine_version(version)
 
-    logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
+    logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg),
+                           first_step if latest is not None else None)  # fmt: skip
     tokenizer = _tokenizer(model)
     pause_mode = "keep" if cfg.train.partial_rollout_enable else "wait"
     metrics: dict[str, float] = {}
+    saved_step = done_step = first_step
+
+    def save(step: int) -> None:
+        nonlocal saved_step
+        checkpoints.save(step, actors, {"step": step, "pool": pool.state_dict(),
+                                        "kl_controller": kl_ctl.state_dict()})  # fmt: skip
+        saved_step = step
+
     pool.start()
     try:
         t_start = time.perf_counter()
         for step in range(first_step, cfg.train.num_steps):
             t_step = time.perf_counter()
-            batch = pool.next_batch(version)
+            batch = pool.next_batch(version)  # a signal here stops at once: nothing trained yet
             t_generated = time.perf_counter()
 
-            experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
-                                         reference, critic, cfg.train.routing_replay)  # fmt: skip
-            t_experience = time.perf_counter()
-            train_metrics = train_on(
-                experience.samples, experience.sample_groups, policy, critic, cfg
-            )
-            t_trained = time.perf_counter()
+            with stop.critical():  # a signal waits until the step is trained, logged and saved
+                experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
+                                             reference, critic, cfg.train.routing_replay)  # fmt: skip
+                t_experience = time.perf_counter()
+                train_metrics = train_on(
+                    experience.samples, experience.sample_groups, policy, critic, cfg
+                )
+                t_trained = time.perf_counter()
 
-            version += 1
-            refit_times = policy.refit(version, pause_mode)
-            t_refit = time.perf_counter()
-            kl_ctl.update(experience.metrics.get("ref/kl", 0.0), len(experience.rollouts))
-            mean_step_s = (t_refit - t_start) / (step + 1 - first_step)  # this run's, so far
+                version += 1
+                refit_times = policy.refit(version, pause_mode)
+                t_refit = time.perf_counter()
+                kl_ctl.update(experience.metrics.get("ref/kl", 0.0), len(experience.rollouts))
+                mean_step_s = (t_refit - t_start) / (step + 1 - first_step)  # this run's, so far
 
-            metrics = {
-                **rollout_metrics(experience.rollouts),
-                **batch.metrics,
-                **experience.metrics,
-                **train_metrics,
-                **refit_times,
-                "ref/kl_coef": kl_ctl.coef,
-                "timing/generation": t_generated - t_step,
-                "timing/experience": t_experience - t_generated,
-                "timing/policy_train": t_trained - t_experience,
-                "timing/broadcast": t_refit - t_trained,
-                "timing/step_total": t_refit - t_step,
-                "timing/eta_s": mean_step_s * (cfg.train.num_steps - step - 1),
-                "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
-                / max(t_trained - t_experience, 1e-9),
-                "train/weight_version": float(version),
-            }
-            if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
-                metrics.update(evaluate(eval_rows, runners, cfg))
-            logger.log(step + 1, metrics)
-            record_trained_prompts(run_dir, step + 1, batch)
-            logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
-                                                     cfg.logger.num_sample_rollouts,
-                                                     version - 1))  # trained at  # fmt: skip
-            last = step + 1 == cfg.train.num_steps
-            if last or (cfg.ckpt.every_steps and (step + 1) % cfg.ckpt.every_steps == 0):
-                checkpoints.save(step + 1, actors, {"step": step + 1, "pool": pool.state_dict(),
-                                                    "kl_controller": kl_ctl.state_dict()})  # fmt: skip
+                metrics = {
+                    **rollout_metrics(experience.rollouts),
+                    **batch.metrics,
+                    **experience.metrics,
+                    **train_metrics,
+                    **refit_times,
+                    "ref/kl_coef": kl_ctl.coef,
+                    "timing/generation": t_generated - t_step,
+                    "timing/experience": t_experience - t_generated,
+                    "timing/policy_train": t_trained - t_experience,
+                    "timing/broadcast": t_refit - t_trained,
+                    "timing/step_total": t_refit - t_step,
+                    "timing/eta_s": mean_step_s * (cfg.train.num_steps - step - 1),
+                    "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
+                    / max(t_trained - t_experience, 1e-9),
+                    "train/weight_version": float(version),
+                }
+                if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+                    metrics.update(evaluate(eval_rows, runners, cfg))
+                logger.log(step + 1, metrics)
+                record_trained_prompts(run_dir, step + 1, batch)
+                logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
+                                                         cfg.logger.num_sample_rollouts,
+                                                         version - 1))  # trained at  # fmt: skip
+                done_step = step + 1
+                last = done_step == cfg.train.num_steps
+                if last or (cfg.ckpt.every_steps and done_step % cfg.ckpt.every_steps == 0):
+                    save(done_step)
         if cfg.ckpt.export_hf:
             policy.export_hf(str(run_dir / "hf_policy"))
+    except Stopped:
+        if cfg.ckpt.save_on_exit and done_step > saved_step:
+            print(f"saving step {done_step} before stopping (--ckpt.save_on_exit)", flush=True)
+            save(done_step)
+        raise
     finally:
         pool.close()
         paths = logger.close()
@@ -162,8 +191,16 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if group is not None:
                 group.shutdown()
         rollout.shutdown()
-    print(format_final_message(paths, str(run_dir / "checkpoints")))
+        print(format_final_message(paths, str(run_dir / "checkpoints")))
     return metrics
+
+
+def load_prompts(data: DataConfig) -> tuple[PromptSource, list[dict]]:
+    """The training prompt stream and the eval rows, every row read and checked."""
+    try:
+        return PromptSource.from_config(data), load_eval_rows(data)
+    except ValueError as error:
+        raise StartupError(str(error)) from None
 
 
 def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: ModelGroup | None,

@@ -71,6 +71,10 @@ class SFTConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+# The negative log-likelihood of the trained tokens, averaged over all of them.
+SFT_LOSS = AlgoConfig(aggregation="token-mean")
+
+
 def validate_sft_config(cfg: SFTConfig) -> None:
     if not cfg.data.train_files:
         raise ValueError("--data.train_files: give at least one chat dataset")
@@ -148,7 +152,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
             for first in range(0, len(order), cfg.train.batch_size):
                 batch = [samples[i] for i in order[first : first + cfg.train.batch_size]]
                 t0 = time.perf_counter()
-                metrics = actor.train_step(batch, AlgoConfig(), sft=True)
+                metrics = actor.train_step(batch, SFT_LOSS, sft=True)
                 metrics["timing/step_total"] = time.perf_counter() - t0
                 step += 1
                 logger.log(step, metrics)

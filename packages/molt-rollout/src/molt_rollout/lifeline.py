@@ -1,0 +1,81 @@
+"""Server processes that end with their owner, however the owner ends.
+
+`spawn(command, ...)` starts `python -m molt_rollout.lifeline OWNER_PID -- command...` in a new
+process group. The lifeline starts the command in that group and polls the owner: when the
+owner is gone (a SIGKILLed driver or Ray actor leaves no chance to clean up) or the lifeline is
+asked to stop (SIGTERM), it sends SIGTERM to the whole group (the server and its own children,
+such as vLLM's engine cores), waits the grace period and SIGKILLs what is left, itself too.
+A server that exits on its own has its exit code passed on.
+Stopping the group from the owner is `stop(process)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+POLL_S = 0.5
+GRACE_S = 10.0
+
+
+def spawn(command: list[str], grace_s: float = GRACE_S, **popen_kwargs) -> subprocess.Popen:
+    """Start `command` tied to this process's life; returns the lifeline's Popen."""
+    lifeline = [sys.executable, "-m", "molt_rollout.lifeline", str(os.getpid()), str(grace_s)]
+    return subprocess.Popen([*lifeline, "--", *command], start_new_session=True, **popen_kwargs)
+
+
+def stop(process: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """End the group of a `spawn`ed process: SIGTERM, then SIGKILL after `grace_s`."""
+    if process.poll() is None:
+        _signal_group(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace_s + 2.0)  # the lifeline's own grace, and a little
+    # Whatever is left: a lifeline stopped before its handler was installed leaves its server.
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, under another user
+        return True
+    return True
+
+
+def main(argv: list[str]) -> int:
+    owner, grace_s, command = int(argv[0]), float(argv[1]), argv[3:]
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    child = subprocess.Popen(command)  # inherits this process group
+    while child.poll() is None and not stopping and _alive(owner):
+        time.sleep(POLL_S)
+    # The server if it still runs, and any child it left behind; this process has a handler.
+    _signal_group(os.getpgid(0), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if child.poll() is None:
+        _signal_group(os.getpgid(0), signal.SIGKILL)  # what is left, this process included
+    return child.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
