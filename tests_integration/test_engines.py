@@ -206,32 +206,43 @@ def test_pause_abort_ends_in_flight_requests(rollout):
     url = rollout.engines.urls[0]
     body = {"model": rollout.model, "token_ids": PROMPT, "stream": True,
             "sampling_params": {"max_tokens": LONG_GENERATION, "logprobs": 0, "ignore_eos": True}}  # fmt: skip
-    streams = 6
+    # 24 streams of 7000 tokens: about 170k tokens in one batch, many seconds of generation on
+    # any machine, far longer than the pause calls below take.
+    streams = 24
     started = threading.Semaphore(0)  # one release per stream, at its first tokens
+    state: dict[int, list] = {}  # stream -> [tokens so far, finish reason]
 
-    def stream() -> tuple[str, int]:
-        count, finish = 0, None
+    def stream(i: int) -> tuple[str, int]:
+        state[i] = [0, None]
         with httpx.stream("POST", url + GENERATE_PATH, json=body, timeout=300) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data:") and line.strip() != "data: [DONE]":
                     choice = json.loads(line.removeprefix("data:"))["choices"][0]
-                    if count == 0:
+                    if state[i][0] == 0:
                         started.release()
-                    count += len(choice.get("token_ids") or [])
-                    finish = choice.get("finish_reason") or finish
-        return finish, count
+                    state[i][0] += len(choice.get("token_ids") or [])
+                    state[i][1] = choice.get("finish_reason") or state[i][1]
+        return state[i][1], state[i][0]
 
-    # Several long requests at once. Pause only once every one is generating: a request that
-    # reaches a paused engine waits for resume (vLLM schedules nothing new while paused), so
-    # pausing early would leave it waiting on this test.
+    # Pause only once every stream is generating: a request that reaches a paused engine waits
+    # for resume. "keep" first freezes the engine, so which requests are in flight is known
+    # (frozen: no finish reason, no new tokens) before "abort" must end them.
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        futures = [pool.submit(stream) for _ in range(streams)]
+        futures = [pool.submit(stream, i) for i in range(streams)]
         assert all(started.acquire(timeout=120) for _ in range(streams))
-        rollout.refitter.pause("abort")  # the same call on every engine
+        rollout.refitter.pause("keep")
         try:
+            time.sleep(1.0)  # outputs produced before the freeze reach the streams
+            frozen = {i for i, (_, finish) in state.items() if finish is None}
+            counts = {i: state[i][0] for i in frozen}
+            time.sleep(1.0)
+            assert all(state[i][0] == counts[i] for i in frozen)  # nothing generated meanwhile
+            rollout.refitter.pause("abort")  # the same call on every engine
             results = [f.result(timeout=120) for f in futures]
         finally:
             rollout.refitter.resume()
-    finishes = [finish for finish, _ in results]
-    assert "abort" in finishes and set(finishes) <= {"abort", "length"}
-    assert all(count < LONG_GENERATION for finish, count in results if finish == "abort")
+    assert frozen, "every stream finished before the engine froze"
+    for i in frozen:
+        finish, count = results[i]
+        assert finish == "abort" and count < LONG_GENERATION, (i, finish, count)
+    assert {finish for finish, _ in results} <= {"abort", "length"}

@@ -5,6 +5,7 @@ Reward improving on the quickstart task is the strongest check there is: it happ
 token alignment, log-probs, advantages, the loss and the refit are all right.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 # The README's quickstart settings with fewer steps and W&B off; each test adds its own flags.
@@ -90,24 +92,61 @@ def test_rollouts_spanning_versions_are_trained(tmp_path):
     assert all(r["is/off_policy_kl"] is not None and "is/ratio_mean" in r for r in rows)
 
 
-def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
-    run = tmp_path / "resume"
-    flags = [*FAST, "--train.force_on_policy", "True", "--train.num_steps", "5",
-             "--ckpt.every_steps", "1", "--rollout.groups_per_batch", "4"]  # fmt: skip
+def start_run(tmp_path, run: Path, flags: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "molt_train.cli", *flags, "--train.output_dir", str(tmp_path),
            "--logger.run_name", run.name]  # fmt: skip
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    process = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, "the run ended first: " + process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
+        time.sleep(0.5)
+
+
+def run_processes(driver: subprocess.Popen) -> tuple[list[psutil.Process], set[int]]:
+    """Every process of a run (the driver's descendants: Ray, runners, actors, lifelines,
+    engines, router) and the TCP ports they listen on."""
+    tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+    ports = set()
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            ports |= {c.laddr.port for c in p.net_connections("tcp") if c.status == "LISTEN"}
+    return tree, ports
+
+
+def assert_nothing_left(tree: list[psutil.Process], ports: set[int], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    alive = tree
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.25)
+    assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
+    assert not ports & listening, sorted(ports & listening)
+
+
+def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
+    """SIGKILL of the driver alone (as an out-of-memory kill does): nothing of the run is left
+    within 10 s, and a resumed run trains every prompt exactly once."""
+    run = tmp_path / "resume"
+    flags = [*FAST, "--train.force_on_policy", "True", "--train.num_steps", "5",
+             "--ckpt.every_steps", "1", "--rollout.groups_per_batch", "4"]  # fmt: skip
+    process = start_run(tmp_path, run, flags)
     try:
-        deadline = time.monotonic() + 600
-        while not (run / "checkpoints" / "step_00000003").is_dir():
-            assert process.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the driver, Ray, engines: everything at once
+        wait_for(run / "checkpoints" / "step_00000003", process)
+        tree, ports = run_processes(process)
+        assert any("vllm" in " ".join(p.cmdline()) for p in tree)  # the engine is among them
+        process.kill()
         process.wait()
+        assert_nothing_left(tree, ports, within_s=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     killed_at = len(metrics(run))
     assert 3 <= killed_at < 5
 
@@ -119,6 +158,30 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     assert sorted(steps) == [1, 2, 3, 4, 5]
     trained = [p for step in sorted(steps) for p in steps[step]]
     assert trained == list(range(20))  # every prompt once, in dataset order
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]  # redone steps logged once
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
+    """SIGTERM (Slurm, containers) and SIGINT (Ctrl-C): the step in progress finishes, its
+    checkpoint is written, the outputs are printed, the exit code is 128 + the signal, there is
+    no traceback, and nothing of the run is left."""
+    run = tmp_path / sig.name
+    process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200"])
+    try:
+        wait_for(run / "metrics.jsonl", process)
+        tree, ports = run_processes(process)
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 128 + sig, err[-3000:]
+        assert "Traceback" not in err and f"stopped by {sig.name}" in err, err[-3000:]
+        assert "Run outputs:" in out
+        step = len(metrics(run))
+        assert (run / "checkpoints" / f"step_{step:08d}").is_dir()  # --ckpt.save_on_exit
+        assert_nothing_left(tree, ports, within_s=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_gae_critic_with_reference_kl(tmp_path):
@@ -130,7 +193,7 @@ def test_gae_critic_with_reference_kl(tmp_path):
                "--algo.advantage.kl_coef", "0.01", "--train.partial_rollout_enable", "False",
                "--algo.dynamic_filtering_enable", "True")  # fmt: skip
     rows = metrics(run)
-    assert all("critic/value_loss" in r for r in rows), rows[0].keys()
+    assert all("critic/loss/value" in r for r in rows), rows[0].keys()
     assert all(r["ref/kl"] >= 0 and r["loss/ref_kl"] >= 0 for r in rows)
     assert all(r["critic/loss/value"] > 0 and r["ref/kl_coef"] == 0.01 for r in rows)
     # Without partial rollouts no rollout spans two weight versions.
