@@ -184,6 +184,28 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
+    """No hang: the engine watchdog stops the run with the engine's own log tail, and the run
+    still shuts everything down."""
+    run = tmp_path / "engine_death"
+    process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200"])
+    try:
+        wait_for(run / "metrics.jsonl", process)
+        tree, ports = run_processes(process)
+        (server,) = [p for p in tree if "vllm.entrypoints" in " ".join(p.cmdline())]
+        t0 = time.monotonic()
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
+        out, err = process.communicate(timeout=120)
+        assert time.monotonic() - t0 < 30
+        assert process.returncode == 1, err[-3000:]
+        assert "engine failure: engine 0" in err and "last log lines of" in err, err[-3000:]
+        assert "Traceback" not in err
+        assert_nothing_left(tree, ports, within_s=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def test_gae_critic_with_reference_kl(tmp_path):
     """GAE with a critic, a reference model with KL in the reward and as a loss; also the
     refit that waits for in-flight requests, and dynamic filtering."""

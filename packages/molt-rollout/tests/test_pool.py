@@ -461,3 +461,23 @@ def test_synchronous_resume_reproduces_the_prompt_order(force_on_policy):
     launcher.close()
     assert first + second == uninterrupted
     assert [i for b in uninterrupted for i in b] == list(range(18))
+
+
+def test_a_failure_from_outside_stops_a_waiting_next_batch():
+    """A dead engine (the driver's watchdog calls `fail`) ends the wait at once, with its own
+    error, and nothing more is launched."""
+    launcher = ManualLauncher()
+    pool = started(ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2,
+                   max_inflight_groups=2)  # fmt: skip
+    launcher.wait_launched(2)
+    batch = in_thread(pool.next_batch, version=0, timeout_s=30)
+    time.sleep(0.2)  # next_batch is waiting
+    t0 = time.monotonic()
+    pool.fail(RuntimeError("engine 0 exited with code -9"))
+    with pytest.raises(RuntimeError, match="engine 0 exited"):
+        batch.result(timeout=5)
+    assert time.monotonic() - t0 < 2
+    launcher.finish("p0")  # a slot frees up, but a failed pool launches nothing new
+    time.sleep(0.2)
+    assert len(launcher.tasks) == 2
+    pool.close()

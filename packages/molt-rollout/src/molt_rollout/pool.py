@@ -127,6 +127,7 @@ class RolloutPool:
         self._want = 0  # outstanding groups to keep: K, or B inside a forced next_batch
         self._source_done = False
         self._error: BaseException | None = None  # stops the pool; next_batch raises it
+        self._failure: BaseException | None = None  # from outside (`fail`): raised as it is
         self._runner_errors_in_row = 0
         self._counts: Counter[str] = Counter()  # pool/* counters since the previous batch
         self._dropped: Counter[str] = Counter()  # dropped rollouts by reason, same window
@@ -153,6 +154,13 @@ class RolloutPool:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
 
+    def fail(self, error: BaseException) -> None:
+        """Stop the pool on an error from outside it (a dead engine): a waiting or later
+        `next_batch` raises it at once instead of waiting for groups that cannot come."""
+        with self._cond:
+            self._failure = self._failure or error
+            self._cond.notify_all()
+
     def __enter__(self) -> RolloutPool:
         return self
 
@@ -177,6 +185,8 @@ class RolloutPool:
                 self._cond.notify_all()
             try:
                 while True:
+                    if self._failure is not None:
+                        raise self._failure  # as given: it names its own cause
                     if self._error is not None:
                         raise RuntimeError(f"rollout pool stopped: {self._error}") from self._error
                     self._screen_stale(version)
@@ -240,7 +250,8 @@ class RolloutPool:
                     if self._closed:
                         return
                     outstanding = len(self._pending) + len(self._finished)
-                    if self._error is None and outstanding < self._want:
+                    stopped = self._error is not None or self._failure is not None
+                    if not stopped and outstanding < self._want:
                         task = self._take_task()  # None when there is no prompt left
                     if task is None:
                         self._cond.wait()

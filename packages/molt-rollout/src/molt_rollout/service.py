@@ -1,12 +1,14 @@
 """The generation side of a run, assembled: engines, router, refit control, token clients."""
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from molt_rollout.client import TokenClient
 from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-from molt_rollout.engine import EngineGroup
+from molt_rollout.engine import EngineError, EngineGroup
 from molt_rollout.refit import Refitter, transfer_backend
 from molt_rollout.router import Router
 
@@ -20,6 +22,7 @@ class RolloutService:
     engine_urls: list[str]
     workers_per_engine: int
     refitter: Refitter | None  # None when another process (the trainer's rank 0) drives refit
+    _stopped: threading.Event = field(default_factory=threading.Event)  # ends `watch`
 
     @classmethod
     def start(cls, model: str, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig,
@@ -47,6 +50,22 @@ class RolloutService:
             raise
         return cls(model, vllm, engines, router_process, urls, workers, refitter)
 
+    def watch(self, on_death: Callable[[EngineError], None], every_s: float = 2.0) -> None:
+        """Check the engines every `every_s` seconds on a daemon thread; call `on_death` with
+        the EngineError (its log tail included) of the first one found dead, then stop."""
+
+        def loop() -> None:
+            while not self._stopped.wait(every_s):
+                try:
+                    self.engines.check()
+                except EngineError as error:
+                    on_death(error)
+                    return
+                except Exception:  # Ray shutting down under us: nothing left to watch
+                    return
+
+        threading.Thread(target=loop, name="molt-engine-watch", daemon=True).start()
+
     def token_client(self) -> TokenClient:
         """A generator for molt-capture sessions and Env runners (one per event loop)."""
         return TokenClient(
@@ -54,6 +73,7 @@ class RolloutService:
         )
 
     def shutdown(self) -> None:
+        self._stopped.set()
         if self.refitter is not None:
             self.refitter.close()
         self.router.stop()

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse(argv[1:], default=parse(QUICKSTART))
     else:
         cfg = parse(argv)
+    from molt_rollout.engine import EngineError
     from molt_train.loop import train
     from molt_train.signals import Stopped
 
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as stop:  # SIGTERM / SIGINT: the loop has shut down cleanly
         print(f"molt-train: {stop}", file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
+    except EngineError as error:  # its message names the engine and holds its log tail
+        print(f"molt-train: engine failure: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _exit(message: str) -> typing.NoReturn:

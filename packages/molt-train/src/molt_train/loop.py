@@ -126,6 +126,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         saved_step = step
 
     pool.start()
+    rollout.watch(pool.fail)  # a dead engine stops the run within seconds, with its log tail
     try:
         t_start = time.perf_counter()
         for step in range(first_step, cfg.train.num_steps):
@@ -178,6 +179,9 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     save(done_step)
         if cfg.ckpt.export_hf:
             policy.export_hf(str(run_dir / "hf_policy"))
+    except Exception:
+        rollout.engines.check()  # a dead engine is the cause to report (its log tail included)
+        raise
     except Stopped:
         if cfg.ckpt.save_on_exit and done_step > saved_step:
             print(f"saving step {done_step} before stopping (--ckpt.save_on_exit)", flush=True)
