@@ -372,6 +372,8 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
 
     steps = {}
     for name in variants:
+        if name == "rl+all" and entropy_coef:  # it drops the entropy term: only at coef 0
+            continue
         if name.startswith("rl"):
             steps[name] = rl_step(RL_VARIANTS[name])
         else:
@@ -525,9 +527,11 @@ def logprob_levers(args, ctx) -> None:
     res = {}
 
     def case(name, dtype, autocast, entropy, chunk=1024, tf32=False, kind="chunked"):
+        h = h32.to(dtype).detach().requires_grad_()
+        w = W.to(dtype).detach().requires_grad_()
+
         def go():
-            h = h32.to(dtype).requires_grad_()
-            w = W.to(dtype).requires_grad_()
+            h.grad = w.grad = None
             ac = torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext()
             with ac:
                 if kind == "chunked":
