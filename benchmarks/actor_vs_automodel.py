@@ -132,6 +132,11 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             start += n
         return torch.cat(outs)[None], None
     fn, params = _varlen_call()
+    # fp32 parameters under autocast: q/k leave the fp32 q_norm/k_norm and RoPE in fp32 (SDPA
+    # is on autocast's bf16 list and casts them itself; FlashAttention takes 16-bit only)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     extra = {}
     if "enable_gqa" in params:
         extra["enable_gqa"] = True
@@ -149,10 +154,23 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out[None], None
 
 
+def flex_attention_16bit(module, query, key, value, attention_mask, **kwargs):
+    """transformers' FlexAttention path with q/k/v in the autocast dtype (see above)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    if query.dtype not in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attention_mask
 
     AttentionInterface.register("molt_varlen", varlen_attention)
+    AttentionInterface.register("molt_flex", flex_attention_16bit)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("molt_flex", flex_attention_mask)
 
 
 def set_attn(model, name: str) -> None:
@@ -288,7 +306,7 @@ RL_VARIANTS = {
     "rl+varlen": dict(attn="molt_varlen"),
     "rl+both": dict(bf16_head=True, attn="molt_varlen"),
     "rl+all": dict(bf16_head=True, attn="molt_varlen", skip_entropy=True),
-    "rl+flex": dict(bf16_head=True, attn="flex_attention"),
+    "rl+flex": dict(bf16_head=True, attn="molt_flex"),
 }
 
 
@@ -636,9 +654,18 @@ def profile_step(args, ctx, out_dir) -> None:
         return
     mine, num_tokens, num_seq, bare_mbs, _ = ctx["last"][args.default_seq_len]
     summary = {}
+
+    def rl(name):
+        def go():
+            with rl_patch(worker, **RL_VARIANTS[name]):
+                return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+        return go
+
     for name, fn in [
-        ("rl", lambda: worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())),
+        ("rl", rl("rl")),
         ("bare", lambda: ctx["bares"]["bare"].step(bare_mbs)),
+        ("rl+both", rl("rl+both")),
+        ("bare+varlen", lambda: ctx["bares"]["bare+varlen"].step(bare_mbs)),
     ]:
         fn()
         timer.sync()
@@ -653,7 +680,8 @@ def profile_step(args, ctx, out_dir) -> None:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
         kernels = [e for e in events if getattr(e, "device_type", None) is not None
-                   and str(e.device_type).endswith("CUDA") and dev_self(e) > 0]  # fmt: skip
+                   and str(e.device_type).endswith("CUDA") and dev_self(e) > 0
+                   and "#" not in e.key and not e.key.startswith("ProfilerStep")]  # fmt: skip
         busy_us = sum(dev_self(e) for e in kernels)
         top = sorted(kernels, key=dev_self, reverse=True)[:25]
         cpu = {e.key: e.count for e in events if e.key in (
@@ -671,7 +699,7 @@ def profile_step(args, ctx, out_dir) -> None:
         except Exception:
             table = events.table(sort_by=sort, row_limit=30)
         if out_dir:
-            with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as f:
+            with open(os.path.join(out_dir, f"profile_{name.replace('+', '_')}.txt"), "w") as f:
                 f.write(table)
         say(f"profile {name}: wall {wall:.3f}s gpu busy {busy_us / 1e6:.3f}s "
             f"idle {wall - busy_us / 1e6:.3f}s kernels {summary[name]['kernels_launched']} "
@@ -679,6 +707,47 @@ def profile_step(args, ctx, out_dir) -> None:
         for k, c, ms in summary[name]["top"][:15]:
             say(f"   {ms:9.2f} ms  x{c:<5d} {k}")
     RESULTS["profile"] = summary
+
+
+def flex_lever(args, ctx) -> None:
+    """FlexAttention (transformers' BlockMask from the restarting position ids, compiled
+    kernels) for the RL step (with bf16head) and the bare step, at the default setting."""
+    from molt_algos import LossConfig
+
+    worker, timer = ctx["worker"], ctx["timer"]
+    mine, num_tokens, num_seq, bare_mbs, samples = ctx["last"][args.default_seq_len]
+    tokens = sum(len(s.token_ids) for s in samples)
+    bare = ctx["bares"]["bare"]
+    res = {}
+
+    def rl():
+        with rl_patch(worker, **RL_VARIANTS["rl+flex"]):
+            return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+
+    def bare_flex():
+        bare.attn = "molt_flex"
+        try:
+            return bare.step(bare_mbs)
+        finally:
+            bare.attn = "sdpa"
+
+    for name, fn in [("rl+flex", rl), ("bare+flex", bare_flex)]:
+        try:
+            t0 = time.perf_counter()
+            fn()  # compiles
+            res[f"{name}_first_call_s"] = time.perf_counter() - t0
+            ts, peak = [], 0.0
+            for i in range(args.warmup + args.steps):
+                s, p, _ = timer(fn)
+                if i >= args.warmup:
+                    ts.append(s)
+                    peak = max(peak, p)
+            t = statistics.median(ts)
+            res[name] = dict(s=t, tok_s=tokens / t, peak_gb=peak)
+        except Exception as error:
+            res[name] = dict(failed=repr(error)[:300])
+        say("flex:", json.dumps(res))
+    RESULTS["levers"]["flex"] = res
 
 
 def fsdp_mp_levers(args, ctx, seq_len) -> None:
@@ -759,8 +828,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--entropy-coefs", default="0,0.01")
     p.add_argument("--variants", default="rl,bare,rl+bf16head,rl+varlen,rl+both,rl+all,bare+varlen")
-    p.add_argument("--lever-variants", default="rl+flex", help="extra variants, default setting only")
-    p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,dtype")
+    p.add_argument("--lever-variants", default="", help="extra variants, default setting only")
+    p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--cpu", action="store_true")
     args = p.parse_args()
@@ -837,6 +906,9 @@ def main() -> None:
             profile_step(args, ctx, args.out)
         except Exception as error:
             say(f"profile FAILED: {error!r}"[:400])
+        dump(args.out)
+    if "flex" in sections and on_gpu:
+        flex_lever(args, ctx)
         dump(args.out)
     if "dtype" in sections and on_gpu:
         try:
