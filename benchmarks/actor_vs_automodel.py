@@ -131,6 +131,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             outs.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(outs)[None], None
+    return _varlen_cuda(q, k, v, scale, native_gqa=False)
+
+
+def _varlen_cuda(q, k, v, scale, native_gqa):
     fn, params = _varlen_call()
     # fp32 parameters under autocast: q/k leave the fp32 q_norm/k_norm and RoPE in fp32 (SDPA
     # is on autocast's bf16 list and casts them itself; FlashAttention takes 16-bit only)
@@ -140,7 +144,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     extra = {}
     if "enable_gqa" in params:
         extra["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
+    elif k.shape[1] != q.shape[1] and not native_gqa:  # native: FlashAttention's own GQA
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if "is_causal" in params:
@@ -152,6 +156,31 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     cu = _CU["cu"]
     out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, _CU["max"], _CU["max"], **extra)
     return out[None], None
+
+
+def varlen_attention_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         sliding_window=None, **kwargs):  # fmt: skip
+    """varlen with K/V at their own head count (FlashAttention handles GQA itself)."""
+    if query.device.type != "cuda":
+        return varlen_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                sliding_window, **kwargs)  # fmt: skip
+    if _CU.get("total") != query.shape[2]:
+        _documents_from_positions(kwargs["position_ids"], query.device)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return _varlen_cuda(q, k, v, scale, native_gqa=True)
+
+
+def auto_attention(module, query, key, value, attention_mask, **kwargs):
+    """One document in the row: SDPA's causal path (cuDNN/flash, no mask); several: varlen."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _CU.get("total") != query.shape[2]:
+        _documents_from_positions(kwargs["position_ids"], query.device)
+    if len(_CU["lengths"]) == 1 or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **{
+            k: v for k, v in kwargs.items() if k in ("dropout", "scaling")})
+    return varlen_attention_gqa(module, query, key, value, attention_mask, **kwargs)
 
 
 def flex_attention_16bit(module, query, key, value, attention_mask, **kwargs):
@@ -170,6 +199,8 @@ def register_attention() -> None:
 
     AttentionInterface.register("molt_varlen", varlen_attention)
     AttentionInterface.register("molt_flex", flex_attention_16bit)
+    AttentionInterface.register("molt_varlen_gqa", varlen_attention_gqa)
+    AttentionInterface.register("molt_auto", auto_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("molt_flex", flex_attention_mask)
 
 
@@ -307,6 +338,9 @@ RL_VARIANTS = {
     "rl+both": dict(bf16_head=True, attn="molt_varlen"),
     "rl+all": dict(bf16_head=True, attn="molt_varlen", skip_entropy=True),
     "rl+flex": dict(bf16_head=True, attn="molt_flex"),
+    "rl+both-gqa": dict(bf16_head=True, attn="molt_varlen_gqa"),
+    "rl+auto": dict(bf16_head=True, attn="molt_auto"),
+    "rl+auto-noent": dict(bf16_head=True, attn="molt_auto", skip_entropy=True),
 }
 
 
@@ -343,6 +377,20 @@ class Timer:
 # ------------------------------------------------------------------ main benchmark
 
 
+BARE_ATTN = {"bare": "sdpa", "bare+varlen": "molt_varlen", "bare+gqa": "molt_varlen_gqa",
+             "bare+auto": "molt_auto"}
+
+
+def bare_variant(bares, name):
+    """The bare model (one model, one optimizer) under another attention path."""
+    if name not in bares:
+        b = Bare.__new__(Bare)
+        b.__dict__.update(bares["bare"].__dict__)
+        b.attn = BARE_ATTN[name]
+        bares[name] = b
+    return bares[name]
+
+
 def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str]) -> None:
     from molt_algos import LossConfig
     from molt_train.packing import plan_microbatches
@@ -358,15 +406,29 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     lengths = [len(s.token_ids) for s in samples]
     tokens = sum(lengths)
     # forward-only log-probs (old policy / reference pass) vs a bare forward
-    fwd_times = {"rl-fwd": [], "bare-fwd": []}
     bare_mbs = bare_microbatches(mine, worker.device)
+    fwd = {"rl-fwd": ("rl", None), "bare-fwd": (None, "bare")}
+    for v in [x for x in args.fwd_variants.split(",") if x]:
+        fwd[f"{v}-fwd"] = (v, None) if v.startswith("rl") else (None, v)
+    fwd_times = {k: [] for k in fwd}
     old = None
+
+    def fwd_call(rl_name, bare_name):
+        if rl_name:
+            def go():
+                with rl_patch(worker, **RL_VARIANTS[rl_name]):
+                    return worker.forward_logprobs(mine)
+            return go
+        b = bare_variant(bares, bare_name)
+        return lambda: b.forward(bare_mbs)
+
     for i in range(args.warmup + args.steps):
-        s, _, old = timer(lambda: worker.forward_logprobs(mine))
-        s2, _, _ = timer(lambda: bares["bare"].forward(bare_mbs))
-        if i >= args.warmup:
-            fwd_times["rl-fwd"].append(s)
-            fwd_times["bare-fwd"].append(s2)
+        for key, (rl_name, bare_name) in fwd.items():
+            s, _, result = timer(fwd_call(rl_name, bare_name))
+            if key == "rl-fwd":
+                old = result
+            if i >= args.warmup:
+                fwd_times[key].append(s)
     for mb, values in zip(mine, old, strict=True):
         for sample, lp in zip(mb, values, strict=True):
             sample.old_logprobs = lp
@@ -378,8 +440,8 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         row = dict(setting=f"{seq_len}", entropy="-", variant=k, s=v, tok_s=tokens / v,
                    mfu=fwd_flops / v / PEAK_FLOPS, peak_gb=None)  # fmt: skip
         RESULTS["rows"].append(row)
-    say(f"[{seq_len}] forward-only: rl {med['rl-fwd']:.3f}s  bare {med['bare-fwd']:.3f}s  "
-        f"ratio(bare/rl time) {med['bare-fwd'] / med['rl-fwd']:.2f}")  # fmt: skip
+    say(f"[{seq_len}] forward-only: " + "  ".join(f"{k} {v:.3f}s" for k, v in med.items())
+        + f"  ratio(bare/rl time) {med['bare-fwd'] / med['rl-fwd']:.2f}")  # fmt: skip
 
     def rl_step(patch):
         def go():
@@ -395,7 +457,7 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         if name.startswith("rl"):
             steps[name] = rl_step(RL_VARIANTS[name])
         else:
-            b = bares[name]
+            b = bare_variant(bares, name)
             steps[name] = lambda b=b: b.step(bare_mbs)
     times = {k: [] for k in steps}
     peaks = {k: 0.0 for k in steps}
@@ -451,7 +513,7 @@ def correctness(args, ctx) -> None:
     vocab = worker.model.config.vocab_size
     check = random_samples(vocab, 4, 300, seed=1)
     out = {}
-    for attn in ("sdpa", "molt_varlen"):
+    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto"):
         with rl_patch(worker, attn=attn):
             packed = worker.forward_logprobs([check])[0]
             alone = [worker.forward_logprobs([[s]])[0][0] for s in check]
@@ -463,7 +525,12 @@ def correctness(args, ctx) -> None:
         abs(a - b) for p, q in zip(out["packed_sdpa"], out["packed_molt_varlen"], strict=True)
         for a, b in zip(p, q, strict=True)
     )
-    del out["packed_sdpa"], out["packed_molt_varlen"]
+    for attn in ("molt_varlen_gqa", "molt_auto"):
+        out[f"varlen_vs_{attn}"] = max(
+            abs(a - b) for p, q in zip(out["packed_molt_varlen"], out[f"packed_{attn}"], strict=True)
+            for a, b in zip(p, q, strict=True))  # fmt: skip
+    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto"):
+        del out[f"packed_{attn}"]
     RESULTS["correctness"] = out
     say("correctness (max abs log-prob diff):", json.dumps(out))
 
@@ -661,12 +728,13 @@ def profile_step(args, ctx, out_dir) -> None:
                 return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
         return go
 
-    for name, fn in [
-        ("rl", rl("rl")),
-        ("bare", lambda: ctx["bares"]["bare"].step(bare_mbs)),
-        ("rl+both", rl("rl+both")),
-        ("bare+varlen", lambda: ctx["bares"]["bare+varlen"].step(bare_mbs)),
-    ]:
+    todo = []
+    for name in args.profile_variants.split(","):
+        if name.startswith("rl"):
+            todo.append((name, rl(name)))
+        else:
+            todo.append((name, lambda b=bare_variant(ctx["bares"], name): b.step(bare_mbs)))
+    for name, fn in todo:
         fn()
         timer.sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -683,6 +751,25 @@ def profile_step(args, ctx, out_dir) -> None:
                    and str(e.device_type).endswith("CUDA") and dev_self(e) > 0
                    and "#" not in e.key and not e.key.startswith("ProfilerStep")]  # fmt: skip
         busy_us = sum(dev_self(e) for e in kernels)
+        # exact: the union of device-event intervals (kernels, copies, sets), annotations out
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA")
+            and not getattr(e, "is_user_annotation", False) and "#" not in e.name[:40]
+            and not e.name.startswith(("Optimizer.", "ProfilerStep"))
+        )  # fmt: skip
+        union, cur_s, cur_e = 0.0, None, None
+        for a, b in spans:
+            if cur_e is None or a > cur_e:
+                if cur_e is not None:
+                    union += cur_e - cur_s
+                cur_s, cur_e = a, b
+            else:
+                cur_e = max(cur_e, b)
+        if cur_e is not None:
+            union += cur_e - cur_s
+        window = (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
+        busy_us = union
         top = sorted(kernels, key=dev_self, reverse=True)[:25]
         cpu = {e.key: e.count for e in events if e.key in (
             "cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
@@ -690,6 +777,7 @@ def profile_step(args, ctx, out_dir) -> None:
             "cuLaunchKernel", "aten::nonzero")}  # fmt: skip
         summary[name] = dict(
             wall_s=wall, gpu_busy_s=busy_us / 1e6, gpu_idle_s=wall - busy_us / 1e6,
+            first_to_last_kernel_s=window, gaps_between_kernels_s=window - busy_us / 1e6,
             kernels_launched=sum(e.count for e in kernels), cpu_calls=cpu,
             top=[(e.key[:90], e.count, round(dev_self(e) / 1e3, 2)) for e in top],
         )
@@ -702,7 +790,8 @@ def profile_step(args, ctx, out_dir) -> None:
             with open(os.path.join(out_dir, f"profile_{name.replace('+', '_')}.txt"), "w") as f:
                 f.write(table)
         say(f"profile {name}: wall {wall:.3f}s gpu busy {busy_us / 1e6:.3f}s "
-            f"idle {wall - busy_us / 1e6:.3f}s kernels {summary[name]['kernels_launched']} "
+            f"idle {wall - busy_us / 1e6:.3f}s (gaps between kernels {window - busy_us / 1e6:.3f}s) "
+            f"kernels {summary[name]['kernels_launched']} "
             f"cpu {json.dumps(cpu)}")  # fmt: skip
         for k, c, ms in summary[name]["top"][:15]:
             say(f"   {ms:9.2f} ms  x{c:<5d} {k}")
@@ -828,6 +917,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--entropy-coefs", default="0,0.01")
     p.add_argument("--variants", default="rl,bare,rl+bf16head,rl+varlen,rl+both,rl+all,bare+varlen")
+    p.add_argument("--fwd-variants", default="")
+    p.add_argument("--profile-variants", default="rl,bare,rl+both,bare+varlen")
     p.add_argument("--lever-variants", default="", help="extra variants, default setting only")
     p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
