@@ -302,7 +302,7 @@ class Bare:
 
 
 @contextlib.contextmanager
-def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa"):
+def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa", align=False):
     """Levers on the worker, as patches of molt_train.worker's globals (restored after)."""
     import molt_train.worker as wm
 
@@ -312,6 +312,11 @@ def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa"):
     def logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy):
         if bf16_head and hidden.dtype != compute:
             hidden, weight = hidden.to(compute), weight.to(compute)
+        if align:  # backward's vocabulary slice width ceil(chunk V / T) a multiple of 8 (16 B)
+            n, vocab, c = hidden.numel() // hidden.shape[-1], weight.shape[0], chunk_size
+            while math.ceil(c * vocab / max(n, 1)) % 8 and c < chunk_size + 4096:
+                c += 1
+            chunk_size = c
         if skip_entropy and with_entropy:
             lp, _ = orig_lp(hidden, weight, targets, temperature, chunk_size, False)
             return lp, torch.zeros_like(lp)
@@ -341,6 +346,8 @@ RL_VARIANTS = {
     "rl+both-gqa": dict(bf16_head=True, attn="molt_varlen_gqa"),
     "rl+auto": dict(bf16_head=True, attn="molt_auto"),
     "rl+auto-noent": dict(bf16_head=True, attn="molt_auto", skip_entropy=True),
+    "rl+auto-align": dict(bf16_head=True, attn="molt_auto", align=True),
+    "rl+auto-align-noent": dict(bf16_head=True, attn="molt_auto", align=True, skip_entropy=True),
 }
 
 
