@@ -5,9 +5,14 @@ is a measured number before anything in packages/ changes.
 
 One torchrun process per GPU (a world of one is what it was written and run for):
 
-    python benchmarks/actor_gpu_smoke.py --write-model /tmp/qwen3-1.7b-random   # or --write-model here
-    PYTHONPATH=packages/molt-algos/src:packages/molt-train/src:benchmarks \\
-      torchrun --nproc-per-node 1 benchmarks/actor_vs_automodel.py --model /tmp/qwen3-1.7b-random
+    # a random Qwen3-1.7B-shaped checkpoint (actor_gpu_smoke's writer, run on the GPU)
+    python benchmarks/actor_vs_automodel.py --write-model /tmp/q3
+    PYTHONPATH=packages/molt-algos/src:packages/molt-train/src:benchmarks:/tmp/site \\
+      torchrun --nproc-per-node 1 benchmarks/actor_vs_automodel.py --model /tmp/q3
+
+(/tmp/site: AutoModel 0.7.0 and its wheels, from ../shared/gpu's `train` set.) A `--cpu` run on
+a tiny model (`--write-model DIR --cpu`) checks the script and the attention levers' CPU
+reference (SDPA per document) without a GPU.
 
 What it prints (rank 0), per setting (sequence length x entropy) and variant:
   - step time (median of --steps after --warmup), tokens/s/GPU, MFU, peak memory;
@@ -25,17 +30,26 @@ that (the dense block mask makes SDPA compute the whole T x T square of a packed
 log-prob backward recomputes the LM-head matmul) is not counted.
 
 Variants of the RL step (each a patch inside this file, never in packages/):
-  rl             PolicyWorker.train_step as it is
-  rl+bf16head    hidden states and LM-head weight cast to the compute dtype before the chunked
-                 log-prob function, so its backward matmuls run in bf16 (today they run in
-                 fp32: autocast does not cover a custom Function's backward)
-  rl+varlen      attention through torch.nn.attention.varlen (FlashAttention over cu_seqlens
-                 from the packed lengths, no mask) instead of SDPA with a dense block mask
-  rl+both        bf16head + varlen;  rl+all: + no entropy when its coefficient is 0
-  rl+flex        transformers' FlexAttention path (BlockMask from the restarting position ids)
-Bare variants: bare (fp32 params under autocast, packed rows, SDPA dense mask), bare+varlen,
-  and later bare-bf16 (bf16 parameters) and rl+fsdp-mp (FSDP2's MixedPrecisionPolicy on a
-  one-rank mesh instead of autocast).
+  rl                   PolicyWorker.train_step as it is
+  rl+bf16head          hidden states and LM-head weight cast to the compute dtype before the
+                       chunked log-prob function, so its backward matmuls run in bf16 (today
+                       they run in fp32: autocast does not reach a custom Function's backward)
+  rl+varlen            attention through torch.nn.attention.varlen (FlashAttention over
+                       cu_seqlens from the packed lengths, no mask) instead of SDPA with the
+                       dense block mask transformers builds for restarting position ids
+  rl+both              bf16head + varlen; rl+both-gqa: varlen without repeating K/V heads
+  rl+auto              bf16head + varlen for rows of several documents, SDPA's causal path
+                       (cuDNN, no mask) for rows of one
+  rl+auto-align        + the backward's vocabulary slice width rounded to a multiple of 8
+                       (picking the chunk size), so cuBLAS gets 16-byte-aligned leading dims
+  rl+all, rl+auto-noent, rl+auto-align-noent: + no entropy when its coefficient is 0
+  rl+flex              bf16head + transformers' FlexAttention path (BlockMask, compiled)
+Bare variants: bare (AutoModel as it comes: fp32 params under autocast, packed rows, SDPA with
+  the dense block mask), bare+varlen, bare+gqa, bare+auto (the same attention levers); the
+  dtype section adds bare bf16 parameters and rl under FSDP2's MixedPrecisionPolicy on a
+  one-rank mesh instead of autocast.
+
+Runs used for docs/benchmarks.md (section "Trainer parity on one H200") are listed there.
 """
 
 import argparse
@@ -469,6 +483,7 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     times = {k: [] for k in steps}
     peaks = {k: 0.0 for k in steps}
     failed = {}
+    ctx.pop("bare_auto_tok_s", None)
     for i in range(args.warmup + args.steps):
         for name, fn in steps.items():  # alternating
             if name in failed:
@@ -497,11 +512,15 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
                    all_s=[round(x, 4) for x in times[name]])  # fmt: skip
         if name == "bare":
             base = tokens / t
+        if name == "bare+auto":
+            ctx["bare_auto_tok_s"] = tokens / t
         RESULTS["rows"].append(row)
     for row in RESULTS["rows"]:
         if row.get("setting") == str(seq_len) and row.get("entropy") == ent and base:
             if "tok_s" in row:
                 row["ratio"] = row["tok_s"] / base
+                if ctx.get("bare_auto_tok_s"):  # against the bare step with the same attention
+                    row["ratio_vs_bare_auto"] = row["tok_s"] / ctx["bare_auto_tok_s"]
     say(f"[{seq_len} entropy {ent}] " + "  ".join(
         f"{r['variant']} {r['s']:.3f}s {r['tok_s']:.0f}tok/s mfu {r['mfu']:.1%} "
         f"peak+{r['peak_gb']:.1f}GB ratio {r.get('ratio', float('nan')):.2f}"
@@ -923,9 +942,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--entropy-coefs", default="0,0.01")
-    p.add_argument("--variants", default="rl,bare,rl+bf16head,rl+varlen,rl+both,rl+all,bare+varlen")
-    p.add_argument("--fwd-variants", default="")
-    p.add_argument("--profile-variants", default="rl,bare,rl+both,bare+varlen")
+    p.add_argument("--variants", default="rl,bare,rl+bf16head,rl+varlen,rl+auto,rl+auto-align,"
+                   "rl+auto-align-noent,bare+varlen,bare+auto")
+    p.add_argument("--fwd-variants", default="rl+auto-align,bare+auto")
+    p.add_argument("--profile-variants", default="rl,bare,rl+auto-align,bare+auto")
     p.add_argument("--lever-variants", default="", help="extra variants, default setting only")
     p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
