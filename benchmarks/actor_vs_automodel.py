@@ -153,7 +153,11 @@ def _varlen_cuda(q, k, v, scale, native_gqa):
     # fp32 parameters under autocast: q/k leave the fp32 q_norm/k_norm and RoPE in fp32 (SDPA
     # is on autocast's bf16 list and casts them itself; FlashAttention takes 16-bit only)
     if q.dtype not in (torch.float16, torch.bfloat16):
-        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        dt = (
+            torch.get_autocast_dtype("cuda")
+            if torch.is_autocast_enabled("cuda")
+            else torch.bfloat16
+        )
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     extra = {}
     if "enable_gqa" in params:
@@ -168,7 +172,9 @@ def _varlen_cuda(q, k, v, scale, native_gqa):
     if "scale" in params:
         extra["scale"] = scale
     cu = _CU["cu"]
-    out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, _CU["max"], _CU["max"], **extra)
+    out = fn(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, _CU["max"], _CU["max"], **extra
+    )
     return out[None], None
 
 
@@ -192,8 +198,15 @@ def auto_attention(module, query, key, value, attention_mask, **kwargs):
     if _CU.get("total") != query.shape[2]:
         _documents_from_positions(kwargs["position_ids"], query.device)
     if len(_CU["lengths"]) == 1 or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **{
-            k: v for k, v in kwargs.items() if k in ("dropout", "scaling")})
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            None,
+            is_causal=True,
+            **{k: v for k, v in kwargs.items() if k in ("dropout", "scaling")},
+        )
     return varlen_attention_gqa(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -312,7 +325,7 @@ class Bare:
             set_documents(mb["lengths"], self.device)
             with self._ctx():
                 self.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                           use_cache=False).logits  # fmt: skip
+                           use_cache=False)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -398,8 +411,12 @@ class Timer:
 # ------------------------------------------------------------------ main benchmark
 
 
-BARE_ATTN = {"bare": "sdpa", "bare+varlen": "molt_varlen", "bare+gqa": "molt_varlen_gqa",
-             "bare+auto": "molt_auto"}
+BARE_ATTN = {
+    "bare": "sdpa",
+    "bare+varlen": "molt_varlen",
+    "bare+gqa": "molt_varlen_gqa",
+    "bare+auto": "molt_auto",
+}
 
 
 def bare_variant(bares, name):
@@ -413,10 +430,10 @@ def bare_variant(bares, name):
 
 
 def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str]) -> None:
+    from actor_gpu_smoke import random_samples
+
     from molt_algos import LossConfig
     from molt_train.packing import plan_microbatches
-
-    from actor_gpu_smoke import random_samples
 
     worker, bares, timer, nums = ctx["worker"], ctx["bares"], ctx["timer"], ctx["nums"]
     vocab = worker.model.config.vocab_size
@@ -436,9 +453,11 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
 
     def fwd_call(rl_name, bare_name):
         if rl_name:
+
             def go():
                 with rl_patch(worker, **RL_VARIANTS[rl_name]):
                     return worker.forward_logprobs(mine)
+
             return go
         b = bare_variant(bares, bare_name)
         return lambda: b.forward(bare_mbs)
@@ -469,6 +488,7 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
             with rl_patch(worker, **patch):
                 return worker.train_step(mine, num_tokens, num_sequences, "ppo", LossConfig(),
                                          entropy_coef=entropy_coef)  # fmt: skip
+
         return go
 
     steps = {}
@@ -516,11 +536,11 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
             ctx["bare_auto_tok_s"] = tokens / t
         RESULTS["rows"].append(row)
     for row in RESULTS["rows"]:
-        if row.get("setting") == str(seq_len) and row.get("entropy") == ent and base:
-            if "tok_s" in row:
-                row["ratio"] = row["tok_s"] / base
-                if ctx.get("bare_auto_tok_s"):  # against the bare step with the same attention
-                    row["ratio_vs_bare_auto"] = row["tok_s"] / ctx["bare_auto_tok_s"]
+        mine_row = row.get("setting") == str(seq_len) and row.get("entropy") == ent
+        if mine_row and base and "tok_s" in row:
+            row["ratio"] = row["tok_s"] / base
+            if ctx.get("bare_auto_tok_s"):  # against the bare step with the same attention
+                row["ratio_vs_bare_auto"] = row["tok_s"] / ctx["bare_auto_tok_s"]
     say(f"[{seq_len} entropy {ent}] " + "  ".join(
         f"{r['variant']} {r['s']:.3f}s {r['tok_s']:.0f}tok/s mfu {r['mfu']:.1%} "
         f"peak+{r['peak_gb']:.1f}GB ratio {r.get('ratio', float('nan')):.2f}"
@@ -548,7 +568,8 @@ def correctness(args, ctx) -> None:
         out[f"packed_vs_alone_{attn}"] = diff
         out[f"packed_{attn}"] = packed
     out["sdpa_vs_varlen"] = max(
-        abs(a - b) for p, q in zip(out["packed_sdpa"], out["packed_molt_varlen"], strict=True)
+        abs(a - b)
+        for p, q in zip(out["packed_sdpa"], out["packed_molt_varlen"], strict=True)
         for a, b in zip(p, q, strict=True)
     )
     for attn in ("molt_varlen_gqa", "molt_auto"):
@@ -563,8 +584,9 @@ def correctness(args, ctx) -> None:
 
 def gather_levers(args, ctx) -> None:
     """The refit gather against a bare state-dict loop casting to bf16, and prototypes."""
-    import molt_train.worker as wm
     from transformers.core_model_loading import revert_weight_conversion
+
+    import molt_train.worker as wm
 
     worker, timer = ctx["worker"], ctx["timer"]
     model = worker.model
@@ -658,6 +680,7 @@ def logprob_levers(args, ctx) -> None:
                     logits = (h @ w.T).float()
                     loss = F.cross_entropy(logits, tgt)
             loss.backward()
+
         prev = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
@@ -685,16 +708,23 @@ def logprob_levers(args, ctx) -> None:
     case("bare_ce_fp32_logits", bf, False, False, kind="ce")
     # forward-only (old policy / reference)
     with torch.no_grad():
-        for name, dtype, ac in [("fwd_only_fp32_in_autocast", f32, True), ("fwd_only_bf16", bf, False)]:
+        for name, dtype, ac in [
+            ("fwd_only_fp32_in_autocast", f32, True),
+            ("fwd_only_bf16", bf, False),
+        ]:
             ctxm = torch.autocast("cuda", bf) if ac else contextlib.nullcontext()
             ts = []
-            for i in range(args.warmup + args.steps):
+            for _ in range(args.warmup + args.steps):
+
                 def go(dtype=dtype, ctxm=ctxm):
                     with ctxm:
-                        token_logprobs_and_entropy(h32.to(dtype), W.to(dtype), tgt, 1.0, 1024, False)
+                        token_logprobs_and_entropy(
+                            h32.to(dtype), W.to(dtype), tgt, 1.0, 1024, False
+                        )
+
                 s, _, _ = timer(go)
                 ts.append(s)
-            res[name] = dict(s=statistics.median(ts[args.warmup:]))
+            res[name] = dict(s=statistics.median(ts[args.warmup :]))
     flop3 = 3 * 2 * T * H * V
     res["lm_head_fwd_bwd_tflop"] = flop3 / 1e12
     RESULTS["levers"]["logprob_fn"] = res
@@ -739,8 +769,9 @@ def host_levers(args, ctx) -> None:
 
 
 def profile_step(args, ctx, out_dir) -> None:
-    from molt_algos import LossConfig
     from torch.profiler import ProfilerActivity, profile
+
+    from molt_algos import LossConfig
 
     worker, timer = ctx["worker"], ctx["timer"]
     if not worker.on_gpu:
@@ -752,6 +783,7 @@ def profile_step(args, ctx, out_dir) -> None:
         def go():
             with rl_patch(worker, **RL_VARIANTS[name]):
                 return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+
         return go
 
     todo = []
@@ -759,7 +791,8 @@ def profile_step(args, ctx, out_dir) -> None:
         if name.startswith("rl"):
             todo.append((name, rl(name)))
         else:
-            todo.append((name, lambda b=bare_variant(ctx["bares"], name): b.step(bare_mbs)))
+            b = bare_variant(ctx["bares"], name)
+            todo.append((name, lambda b=b: b.step(bare_mbs)))
     for name, fn in todo:
         fn()
         timer.sync()
@@ -771,7 +804,9 @@ def profile_step(args, ctx, out_dir) -> None:
         events = prof.key_averages()
 
         def dev_self(e):
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            return getattr(e, "self_device_time_total", None) or getattr(
+                e, "self_cuda_time_total", 0
+            )
 
         kernels = [e for e in events if getattr(e, "device_type", None) is not None
                    and str(e.device_type).endswith("CUDA") and dev_self(e) > 0
@@ -802,9 +837,13 @@ def profile_step(args, ctx, out_dir) -> None:
             "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaLaunchKernel",
             "cuLaunchKernel", "aten::nonzero")}  # fmt: skip
         summary[name] = dict(
-            wall_s=wall, gpu_busy_s=busy_us / 1e6, gpu_idle_s=wall - busy_us / 1e6,
-            first_to_last_kernel_s=window, gaps_between_kernels_s=window - busy_us / 1e6,
-            kernels_launched=sum(e.count for e in kernels), cpu_calls=cpu,
+            wall_s=wall,
+            gpu_busy_s=busy_us / 1e6,
+            gpu_idle_s=wall - busy_us / 1e6,
+            first_to_last_kernel_s=window,
+            gaps_between_kernels_s=window - busy_us / 1e6,
+            kernels_launched=sum(e.count for e in kernels),
+            cpu_calls=cpu,
             top=[(e.key[:90], e.count, round(dev_self(e) / 1e3, 2)) for e in top],
         )
         sort = "self_cuda_time_total"
@@ -868,10 +907,11 @@ def flex_lever(args, ctx) -> None:
 def fsdp_mp_levers(args, ctx, seq_len) -> None:
     """bf16 parameters (bare) and FSDP2's mixed-precision policy on a one-rank mesh (RL)
     instead of autocast over fp32 parameters. Runs last: it reshapes the worker's model."""
-    from molt_algos import LossConfig
     from nemo_automodel import NeMoAutoModelForCausalLM
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from molt_algos import LossConfig
 
     worker, timer = ctx["worker"], ctx["timer"]
     mine, num_tokens, num_seq, bare_mbs, samples = ctx["last"][seq_len]
@@ -890,7 +930,7 @@ def fsdp_mp_levers(args, ctx, seq_len) -> None:
         bare16.attn = attn
         ts, peak = [], 0.0
         for i in range(args.warmup + args.steps):
-            s, p, _ = timer(lambda: bare16.step(bare_mbs))
+            s, p, _ = timer(lambda b=bare16: b.step(bare_mbs))
             if i >= args.warmup:
                 ts.append(s)
                 peak = max(peak, p)
@@ -914,16 +954,20 @@ def fsdp_mp_levers(args, ctx, seq_len) -> None:
         for name in ("rl", "rl+both"):
             ts, peak = [], 0.0
             for i in range(args.warmup + args.steps):
+
                 def go(name=name):
                     with rl_patch(worker, **RL_VARIANTS[name]):
                         return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+
                 s, p, _ = timer(go)
                 if i >= args.warmup:
                     ts.append(s)
                     peak = max(peak, p)
             t = statistics.median(ts)
             res[f"{name}-fsdp2-mp"] = dict(s=t, tok_s=tokens / t, peak_gb=peak)
-        s, _, _ = timer(lambda: sum(t.numel() for _, t in worker.named_full_tensors(torch.bfloat16)))
+        s, _, _ = timer(
+            lambda: sum(t.numel() for _, t in worker.named_full_tensors(torch.bfloat16))
+        )
         res["named_full_tensors_fsdp2_s"] = s
     except Exception as error:
         res["fsdp2_mp_failed"] = repr(error)[:300]
@@ -942,8 +986,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--entropy-coefs", default="0,0.01")
-    p.add_argument("--variants", default="rl,bare,rl+bf16head,rl+varlen,rl+auto,rl+auto-align,"
-                   "rl+auto-align-noent,bare+varlen,bare+auto")
+    p.add_argument(
+        "--variants",
+        default="rl,bare,rl+bf16head,rl+varlen,rl+auto,rl+auto-align,"
+        "rl+auto-align-noent,bare+varlen,bare+auto",
+    )
     p.add_argument("--fwd-variants", default="rl+auto-align,bare+auto")
     p.add_argument("--profile-variants", default="rl,bare,rl+auto-align,bare+auto")
     p.add_argument("--lever-variants", default="", help="extra variants, default setting only")
@@ -957,6 +1004,7 @@ def main() -> None:
         return
 
     import torch.distributed as dist
+
     from molt_train.actor import ActorConfig, FSDPConfig, OptimConfig
     from molt_train.worker import PolicyWorker
 
@@ -1004,8 +1052,11 @@ def main() -> None:
     for seq_len in [int(x) for x in args.seq_lens.split(",")]:
         for coef in [float(x) for x in args.entropy_coefs.split(",")]:
             if "main" in sections:
-                extra = [v for v in args.lever_variants.split(",") if v] if (
-                    seq_len == args.default_seq_len and coef == 0) else []
+                extra = (
+                    [v for v in args.lever_variants.split(",") if v]
+                    if (seq_len == args.default_seq_len and coef == 0)
+                    else []
+                )
                 run_setting(args, ctx, seq_len, coef, variants + extra)
                 dump(args.out)
     ctx["static_gb"]["bare"] = static_bytes(bare.model, bare.opt) / 2**30
