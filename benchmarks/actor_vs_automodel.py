@@ -18,7 +18,7 @@ What it prints (rank 0), per setting (sequence length x entropy) and variant:
   - step time (median of --steps after --warmup), tokens/s/GPU, MFU, peak memory;
   - ratio = RL tokens/s / bare tokens/s (the issue's `step ratio`);
   - forward-only log-probs (the worker's old-policy / reference pass) against a bare forward;
-  - the refit gather (`PolicyWorker.named_full_tensors(bf16)`) against a bare state-dict loop.
+  - the refit gather (`ModelWorker.named_full_tensors(bf16)`) against a bare state-dict loop.
 
 MFU: model FLOPs / (seconds x 989.4e12, the H200's dense bf16 rate by its datasheet), with
   FLOPs(step)    = 6 N T + 6 L h d sum_i s_i^2
@@ -30,7 +30,7 @@ that (the dense block mask makes SDPA compute the whole T x T square of a packed
 log-prob backward recomputes the LM-head matmul) is not counted.
 
 Variants of the RL step (each a patch inside this file, never in packages/):
-  rl                   PolicyWorker.train_step as it is
+  rl                   ModelWorker.train_step as it is
   rl+bf16head          hidden states and LM-head weight cast to the compute dtype before the
                        chunked log-prob function, so its backward matmuls run in bf16 (today
                        they run in fp32: autocast does not reach a custom Function's backward)
@@ -328,10 +328,17 @@ class Bare:
                            use_cache=False)  # fmt: skip
 
 
+def rl_algo(entropy_coef: float = 0.0):
+    """The run config's loss settings as the loop passes them: PPO, token-mean."""
+    from molt_train.config import AlgoConfig
+
+    return AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
+
+
 @contextlib.contextmanager
 def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa", align=False):
-    """Levers on the worker, as patches of molt_train.worker's globals (restored after)."""
-    import molt_train.worker as wm
+    """Levers on the worker, as patches of molt_train.model_worker's globals (restored after)."""
+    import molt_train.model_worker as wm
 
     orig_lp, orig_pack = wm.token_logprobs_and_entropy, wm.pack
     compute = wm.DTYPES[worker.cfg.dtype] if worker.on_gpu else torch.float32
@@ -432,7 +439,6 @@ def bare_variant(bares, name):
 def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str]) -> None:
     from actor_gpu_smoke import random_samples
 
-    from molt_algos import LossConfig
     from molt_train.packing import plan_microbatches
 
     worker, bares, timer, nums = ctx["worker"], ctx["bares"], ctx["timer"], ctx["nums"]
@@ -486,8 +492,8 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     def rl_step(patch):
         def go():
             with rl_patch(worker, **patch):
-                return worker.train_step(mine, num_tokens, num_sequences, "ppo", LossConfig(),
-                                         entropy_coef=entropy_coef)  # fmt: skip
+                return worker.train_step(mine, num_tokens, num_sequences,
+                                         rl_algo(entropy_coef))  # fmt: skip
 
         return go
 
@@ -586,7 +592,7 @@ def gather_levers(args, ctx) -> None:
     """The refit gather against a bare state-dict loop casting to bf16, and prototypes."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    import molt_train.worker as wm
+    import molt_train.model_worker as wm
 
     worker, timer = ctx["worker"], ctx["timer"]
     model = worker.model
@@ -734,7 +740,6 @@ def logprob_levers(args, ctx) -> None:
 def host_levers(args, ctx) -> None:
     """Host side: packing the microbatches, the to_lists of forward_logprobs, and the host
     syncs of one RL step (counted with torch.cuda.set_sync_debug_mode)."""
-    from molt_algos import LossConfig
     from molt_train.packing import pack
 
     worker, timer = ctx["worker"], ctx["timer"]
@@ -758,7 +763,7 @@ def host_levers(args, ctx) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("always")
                 warnings.showwarning = show
-                worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+                worker.train_step(mine, num_tokens, num_seq, rl_algo())
         finally:
             torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = old_show
@@ -771,8 +776,6 @@ def host_levers(args, ctx) -> None:
 def profile_step(args, ctx, out_dir) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from molt_algos import LossConfig
-
     worker, timer = ctx["worker"], ctx["timer"]
     if not worker.on_gpu:
         return
@@ -782,7 +785,7 @@ def profile_step(args, ctx, out_dir) -> None:
     def rl(name):
         def go():
             with rl_patch(worker, **RL_VARIANTS[name]):
-                return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+                return worker.train_step(mine, num_tokens, num_seq, rl_algo())
 
         return go
 
@@ -866,7 +869,6 @@ def profile_step(args, ctx, out_dir) -> None:
 def flex_lever(args, ctx) -> None:
     """FlexAttention (transformers' BlockMask from the restarting position ids, compiled
     kernels) for the RL step (with bf16head) and the bare step, at the default setting."""
-    from molt_algos import LossConfig
 
     worker, timer = ctx["worker"], ctx["timer"]
     mine, num_tokens, num_seq, bare_mbs, samples = ctx["last"][args.default_seq_len]
@@ -876,7 +878,7 @@ def flex_lever(args, ctx) -> None:
 
     def rl():
         with rl_patch(worker, **RL_VARIANTS["rl+flex"]):
-            return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+            return worker.train_step(mine, num_tokens, num_seq, rl_algo())
 
     def bare_flex():
         bare.attn = "molt_flex"
@@ -910,8 +912,6 @@ def fsdp_mp_levers(args, ctx, seq_len) -> None:
     from nemo_automodel import NeMoAutoModelForCausalLM
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from molt_algos import LossConfig
 
     worker, timer = ctx["worker"], ctx["timer"]
     mine, num_tokens, num_seq, bare_mbs, samples = ctx["last"][seq_len]
@@ -957,7 +957,7 @@ def fsdp_mp_levers(args, ctx, seq_len) -> None:
 
                 def go(name=name):
                     with rl_patch(worker, **RL_VARIANTS[name]):
-                        return worker.train_step(mine, num_tokens, num_seq, "ppo", LossConfig())
+                        return worker.train_step(mine, num_tokens, num_seq, rl_algo())
 
                 s, p, _ = timer(go)
                 if i >= args.warmup:
@@ -1005,8 +1005,8 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from molt_train.actor import ActorConfig, FSDPConfig, OptimConfig
-    from molt_train.worker import PolicyWorker
+    from molt_train.actor_config import ActorConfig, FSDPConfig, OptimConfig
+    from molt_train.model_worker import ModelWorker
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -1016,7 +1016,7 @@ def main() -> None:
     cfg = ActorConfig(model_path=args.model, num_workers=world, dtype="bf16",
                       max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                       optim=OptimConfig(lr=1e-6))  # fmt: skip
-    worker = PolicyWorker(cfg, FSDPConfig(), "policy", rank, world, on_gpu)
+    worker = ModelWorker(cfg, FSDPConfig(), "policy", rank, world, on_gpu)
     t0 = time.perf_counter()
     worker.setup(args.model)
     say(f"worker built in {time.perf_counter() - t0:.1f}s: {type(worker.model).__name__}, "
