@@ -80,7 +80,8 @@ def bench(args, wire: str) -> dict:
     from transformers import PreTrainedTokenizerFast
 
     from molt_capture import CaptureServer
-    from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
+    from molt_capture.testing import FakeGenerator
+    from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 
     tok = PreTrainedTokenizerFast.from_pretrained(
         build_tiny_tokenizer(f"{tempfile.gettempdir()}/molt_tiny_tok")

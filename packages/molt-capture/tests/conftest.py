@@ -7,7 +7,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from molt_capture import CaptureServer
-from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
+from molt_capture.testing import FakeGenerator
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

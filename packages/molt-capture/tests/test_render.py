@@ -3,12 +3,8 @@
 import pytest
 
 from molt_capture import ChatRenderer
-from molt_capture.testing import (
-    QWEN3_STYLE_TEMPLATE,
-    build_tiny_tokenizer,
-    encode_noncanonical,
-    tool_call_text,
-)
+from molt_capture.testing import encode_noncanonical, tool_call_text
+from molt_capture.tiny_tokenizer import QWEN3_STYLE_TEMPLATE, build_tiny_tokenizer
 
 PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 

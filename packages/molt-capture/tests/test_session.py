@@ -10,13 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from molt_capture import CaptureError, ChatRenderer, ChatRequest, Session, SessionConfig
-from molt_capture.testing import (
-    QWEN3_STYLE_TEMPLATE,
-    FakeGenerator,
-    assert_token_exact,
-    routing_row,
-    tool_call_text,
-)
+from molt_capture.testing import FakeGenerator, assert_token_exact, routing_row, tool_call_text
+from molt_capture.tiny_tokenizer import QWEN3_STYLE_TEMPLATE
 
 USER = {"role": "user", "content": "What is 1+2?"}
 

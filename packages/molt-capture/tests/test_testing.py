@@ -50,7 +50,8 @@ def test_a_whole_turn_never_imports_torch_or_vllm(tmp_path):
 import asyncio, sys
 from transformers import PreTrainedTokenizerFast
 from molt_capture import CaptureServer, ChatRequest
-from molt_capture.testing import FakeGenerator, build_tiny_tokenizer
+from molt_capture.testing import FakeGenerator
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 tok = PreTrainedTokenizerFast.from_pretrained(build_tiny_tokenizer({str(tmp_path)!r}))
 server = CaptureServer(tok, FakeGenerator(tok, ["<think>x</think>ok"]))
 session = server.open_session()

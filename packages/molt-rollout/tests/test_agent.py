@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from molt_capture.testing import (
-    ADD_TOOL,
-    FakeGenerator,
-    assert_token_exact,
-    build_tiny_tokenizer,
-    tool_call_text,
-)
+from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_rollout.agent import (
     ChatContext,
     Dropped,

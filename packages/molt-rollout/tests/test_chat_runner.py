@@ -12,13 +12,8 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from molt_capture.testing import (
-    ADD_TOOL,
-    FakeGenerator,
-    assert_token_exact,
-    build_tiny_tokenizer,
-    tool_call_text,
-)
+from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_rollout.agent import (
     ChatAgent,
     ChatContext,

@@ -11,7 +11,8 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from molt_capture.testing import ADD_TOOL, FakeGenerator, build_tiny_tokenizer
+from molt_capture.testing import ADD_TOOL, FakeGenerator
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_rollout.agent import ChatAgent, Env, Result
 from molt_rollout.chat_runner import ChatRunner
 from molt_rollout.config import RolloutConfig

@@ -13,10 +13,10 @@ from molt_capture.testing import (
     ADD_TOOL,
     FakeGenerator,
     assert_token_exact,
-    build_tiny_tokenizer,
     routing_row,
     tool_call_text,
 )
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_capture.types import PROMPT_VERSION
 from molt_rollout.agent import (
     Dropped,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from molt_capture.testing import build_tiny_tokenizer
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_capture.types import Generation, Rollout, Segment
 from molt_train.logger import (
     CONSOLE_COLUMNS,

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from molt_capture.testing import FakeGenerator, assert_token_exact, build_tiny_tokenizer
+from molt_capture.testing import FakeGenerator, assert_token_exact
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_rollout import ChatRunner, EnvRunner, RolloutConfig, load_agent
 from molt_rollout.data import load_rows
 from molt_train import quickstart

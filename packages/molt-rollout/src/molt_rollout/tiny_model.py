@@ -8,7 +8,7 @@ rejects head_dim 16; 64 works). Everything else in Molt takes any Hugging Face p
 import os
 from pathlib import Path
 
-from molt_capture.testing import build_tiny_tokenizer
+from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 
 _BUILD_VERSION = "2"  # bump when the shape, seed or tokenizer changes
 TINY_SHAPE = dict(
