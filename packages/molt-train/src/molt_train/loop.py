@@ -71,12 +71,12 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
-    train = cfg.train
+    forced = cfg.train.force_on_policy
     pool = RolloutPool(
         source, runners.launch, cfg.rollout,
-        max_inflight_groups=cfg.rollout.groups_per_batch * (1 + train.async_queue_size),
-        max_staleness=0 if train.force_on_policy else train.max_staleness,
-        force_on_policy=train.force_on_policy,
+        max_inflight_groups=cfg.rollout.groups_per_batch * (1 + cfg.train.async_queue_size),
+        max_staleness=0 if forced else cfg.train.max_staleness,
+        force_on_policy=forced,
         # A group baseline needs at least two samples to compare.
         min_rollouts_per_group=2 if cfg.algo.advantage.estimator in GROUP_ESTIMATORS else 1,
         group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
