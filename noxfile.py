@@ -30,6 +30,7 @@ ALLOWED_DEPS = {
         "vllm-router",
         "httpx",
         "datasets",
+        "psutil",
         "pyarrow",
         "transformers",
     ],

@@ -232,11 +232,15 @@ def test_pause_abort_ends_in_flight_requests(rollout):
         assert all(started.acquire(timeout=120) for _ in range(streams))
         rollout.refitter.pause("keep")
         try:
-            time.sleep(1.0)  # outputs produced before the freeze reach the streams
+            # Outputs produced before the freeze still reach the streams: wait until no count
+            # moves for a second, which only a frozen engine allows.
+            counts: dict[int, int] = {}
+            deadline = time.monotonic() + 60
+            while counts != {i: state[i][0] for i in state} and time.monotonic() < deadline:
+                counts = {i: state[i][0] for i in state}
+                time.sleep(1.0)
+            assert counts == {i: state[i][0] for i in state}, "the engine did not freeze"
             frozen = {i for i, (_, finish) in state.items() if finish is None}
-            counts = {i: state[i][0] for i in frozen}
-            time.sleep(1.0)
-            assert all(state[i][0] == counts[i] for i in frozen)  # nothing generated meanwhile
             rollout.refitter.pause("abort")  # the same call on every engine
             results = [f.result(timeout=120) for f in futures]
         finally:

@@ -192,7 +192,9 @@ def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
     try:
         wait_for(run / "metrics.jsonl", process)
         tree, ports = run_processes(process)
-        (server,) = [p for p in tree if "vllm.entrypoints" in " ".join(p.cmdline())]
+        (server,) = [
+            p for p in tree if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        ]
         t0 = time.monotonic()
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
         out, err = process.communicate(timeout=120)

@@ -68,3 +68,25 @@ def test_a_server_ignoring_sigterm_is_killed_after_the_grace():
     lifeline.stop(process, grace_s=0.5)
     assert wait_gone([server], timeout_s=1.0) == []
     assert time.monotonic() - t0 < 5
+
+
+def test_the_reaper_kills_every_descendant_of_a_killed_owner():
+    """A driver's tree that does not watch for its parent (like Ray's workers) still ends."""
+    sleeper = "import time; time.sleep(120)"
+    tree = (
+        "import subprocess, sys, time; "
+        f"c = subprocess.Popen([sys.executable, '-c', {sleeper!r}], start_new_session=True); "
+        "print(c.pid, flush=True); time.sleep(120)"
+    )
+    owner_code = (
+        "import subprocess, sys, time; from molt_rollout import lifeline; "
+        "lifeline.reap_descendants(); "
+        f"p = subprocess.Popen([sys.executable, '-c', {tree!r}], stdout=sys.stdout); "
+        "time.sleep(120)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
+    grandchild = int(owner.stdout.readline())
+    time.sleep(1.5)  # the reaper has seen the tree
+    owner.kill()
+    owner.wait()
+    assert wait_gone([grandchild], timeout_s=10) == []

@@ -7,6 +7,11 @@ asked to stop (SIGTERM), it sends SIGTERM to the whole group (the server and its
 such as vLLM's engine cores), waits the grace period and SIGKILLs what is left, itself too.
 A server that exits on its own has its exit code passed on.
 Stopping the group from the owner is `stop(process)`.
+
+`reap_descendants()` covers the rest of a run's process tree: a watcher that records every
+descendant of the calling process (the driver: Ray's local instance, its workers and actors,
+the lifelines) and SIGKILLs those still running once the caller is gone, since a SIGKILLed
+driver runs no cleanup of its own and Ray's processes can take far longer to notice.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import sys
 import time
 
 POLL_S = 0.5
-GRACE_S = 10.0
+GRACE_S = 10.0  # for a stop asked by the owner
+ORPHAN_GRACE_S = 2.0  # when the owner is gone
 
 
 def spawn(command: list[str], grace_s: float = GRACE_S, **popen_kwargs) -> subprocess.Popen:
@@ -39,6 +45,30 @@ def stop(process: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     process.wait()
 
 
+def reap_descendants() -> subprocess.Popen:
+    """Start the watcher of this process's descendants (see the module doc)."""
+    command = [sys.executable, "-m", "molt_rollout.lifeline", "--reap", str(os.getpid())]
+    return subprocess.Popen(command, start_new_session=True)
+
+
+def _reap(owner: int) -> int:
+    import psutil  # only the watcher needs it
+
+    known: dict[int, float] = {}  # pid -> start time: a pid reused later is not ours
+    while _alive(owner):
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(owner).children(recursive=True):
+                known.setdefault(p.pid, p.create_time())
+        time.sleep(POLL_S)
+    time.sleep(ORPHAN_GRACE_S)  # lifelines end their servers first; then whatever is left
+    for pid, started in known.items():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.pid != os.getpid() and p.create_time() == started:
+                p.kill()
+    return 0
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
@@ -55,6 +85,8 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "--reap":
+        return _reap(int(argv[1]))
     owner, grace_s, command = int(argv[0]), float(argv[1]), argv[3:]
     stopping = False
 
@@ -67,6 +99,8 @@ def main(argv: list[str]) -> int:
     child = subprocess.Popen(command)  # inherits this process group
     while child.poll() is None and not stopping and _alive(owner):
         time.sleep(POLL_S)
+    if not stopping:  # the owner is gone: nobody waits for a graceful end
+        grace_s = min(grace_s, ORPHAN_GRACE_S)
     # The server if it still runs, and any child it left behind; this process has a handler.
     _signal_group(os.getpgid(0), signal.SIGTERM)
     deadline = time.monotonic() + grace_s

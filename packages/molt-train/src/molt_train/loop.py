@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 
 from molt_algos import GROUP_ESTIMATORS, kl_controller
+from molt_rollout import lifeline
 from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
@@ -51,12 +52,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
     cfg = resolved(cfg)
     validate_agent(cfg)  # a broken agent module fails here, in the driver, by name
     source, eval_rows = load_prompts(cfg.data)  # so does a bad data file, naming file and row
+    lifeline.reap_descendants()  # a SIGKILLed driver leaves no process of the run behind
+    start_ray(cfg)  # ray.init installs its own SIGTERM handler (sys.exit): ours comes after
     with GracefulStop() as stop:
         return _run(cfg, stop, source, eval_rows)
 
 
 def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: list[dict]):
-    start_ray(cfg)
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
     validate_devices(cfg, cluster_gpus)
     on_gpu = cluster_gpus > 0
