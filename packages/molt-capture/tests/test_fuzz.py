@@ -164,7 +164,7 @@ def _state(server, session) -> str:
     s = server.sessions[session.id]
     segs = [x.to_dict() for x in s.segments()]
     return json.dumps(
-        [segs, s._prompt_text, s._n_messages, s._last_key.hex() if s._last_key else None]
+        [segs, repr(s._history), list(s.responses), s._last_key.hex() if s._last_key else None]
     )
 
 

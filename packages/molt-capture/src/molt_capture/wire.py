@@ -1,0 +1,115 @@
+"""What every wire shares: strict request models, field-named 400s, and the refusals that must
+read the same on every wire (sampling the trace cannot record, images, structured output,
+forced tool choice)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import CaptureError
+
+IMAGES_REFUSED = (
+    "image, audio and file input needs a multimodal model; this server serves a text-only model"
+)
+# Fields some client may send (vLLM extras through `extra_body` included) that change what is
+# sampled in a way the recorded log-probs would not reflect; each with the values that are no-ops.
+SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "top_k": (-1, 0),
+    "min_p": (0,),
+}
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class SamplingExtras(WireModel):
+    """Mixed into every wire's request so the refusals above read alike everywhere."""
+
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    top_k: Any = None
+    min_p: Any = None
+
+    def refuse_sampling_extras(self) -> None:
+        for name, no_ops in SAMPLING_REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and not any(value == v and type(value) is not bool for v in no_ops):
+                raise CaptureError(
+                    400, f"{name} is not supported: it changes what is sampled untraceably", name
+                )
+
+
+def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
+    """400 naming the first offending field in dotted form (`messages.0.role`); a media part
+    anywhere gets the multimodal message instead of a type error about it."""
+
+    def where(loc: tuple) -> str:
+        parts = [str(p) for p in loc if "[" not in str(p)]  # drop union-branch names
+        return ".".join([prefix, *parts] if prefix else parts) or "body"
+
+    errors = e.errors()
+    for err in errors:
+        tag = (err.get("ctx") or {}).get("tag") if err["type"] == "union_tag_invalid" else None
+        if err["type"] == "literal_error" and err["loc"][-1:] == ("type",):
+            tag, err = err["input"], {**err, "loc": err["loc"][:-1]}
+        if isinstance(tag, str) and tag in MEDIA_TYPES:
+            at = where(err["loc"])
+            return CaptureError(400, f"{at}: {IMAGES_REFUSED}", at)
+    at = where(errors[0]["loc"])
+    return CaptureError(400, f"invalid request field '{at}': {errors[0]['msg']}", at)
+
+
+def parse(model: type[WireModel], raw: bytes | dict, prefix: str = "") -> Any:
+    try:
+        if isinstance(raw, bytes | bytearray):
+            return model.model_validate_json(raw)
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise validation_error(e, prefix) from None
+
+
+# Content part / block types that carry media, on any wire.
+MEDIA_TYPES = {
+    "image_url",
+    "input_audio",
+    "file",
+    "image",
+    "document",
+    "input_image",
+    "input_file",
+}
+
+
+def arguments(text: str, where: str) -> dict[str, Any]:
+    """Tool-call arguments sent as a JSON string: an object, nested no deeper than a request
+    body may be (the parser's recursion limit), else 400."""
+    try:
+        args = pydantic_core.from_json(text)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise CaptureError(400, f"{where} must be a JSON object string", where)
+    return args
+
+
+def refuse_tool_choice(choice: str, param: str = "tool_choice") -> None:
+    if choice not in ("auto", "none"):
+        raise CaptureError(
+            400, f"only {param} 'auto' or 'none' is supported (no constrained decoding)", param
+        )
+
+
+def refuse_structured_output(param: str) -> CaptureError:
+    return CaptureError(
+        400, f"structured output ({param}) is not supported (no constrained decoding)", param
+    )
