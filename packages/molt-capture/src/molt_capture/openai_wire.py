@@ -129,7 +129,9 @@ def _to_template(m: Message, i: int) -> dict[str, Any]:
             msg["reasoning_content"] = m.reasoning_content or m.reasoning
         calls = []
         for j, tc in enumerate(m.tool_calls or []):
-            args = arguments(tc.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
+            args = arguments(
+                tc.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+            )
             calls.append(tool_call_message(tc.function.name, args, tc.id))
         if calls:
             msg["tool_calls"] = calls

@@ -192,18 +192,24 @@ def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]
             parts = item.content if item.content is not None else item.summary
             text = "\n\n".join(p.text for p in parts)
             cur = assistant(i, fresh=turn is not None and (turn["content"] or "tool_calls" in turn))
-            cur["reasoning_content"] = "\n\n".join(filter(None, [cur.get("reasoning_content"), text]))
+            cur["reasoning_content"] = "\n\n".join(
+                filter(None, [cur.get("reasoning_content"), text])
+            )
         elif isinstance(item, FunctionCallItem):
             args = arguments(item.arguments, f"input.{i}.arguments")
             cur = assistant(i, fresh=False)
-            cur.setdefault("tool_calls", []).append(tool_call_message(item.name, args, item.call_id))
+            cur.setdefault("tool_calls", []).append(
+                tool_call_message(item.name, args, item.call_id)
+            )
         elif isinstance(item, MessageItem) and item.role == "assistant":
             cur = assistant(i, fresh=turn is not None and (turn["content"] or "tool_calls" in turn))
             cur["content"] = _text(item.content)
         else:
             turn = None
             if isinstance(item, FunctionCallOutputItem):
-                out.append({"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id})
+                out.append(
+                    {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
+                )
                 where.append(f"input.{i}.call_id")
             else:
                 assert isinstance(item, MessageItem)
@@ -240,7 +246,12 @@ def output_items(reply: Reply) -> list[dict[str, Any]]:
                 "role": "assistant",
                 "status": "completed",
                 "content": [
-                    {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}
+                    {
+                        "type": "output_text",
+                        "text": reply.content,
+                        "annotations": [],
+                        "logprobs": [],
+                    }
                 ],
             }
         )
@@ -309,7 +320,9 @@ def stream(resp: dict[str, Any]) -> Iterator[str]:
     for i, item in enumerate(resp["output"]):
         at = {"item_id": item["id"], "output_index": i}
         if item["type"] == "function_call":
-            yield event("response.output_item.added", output_index=i, item={**item, "arguments": ""})
+            yield event(
+                "response.output_item.added", output_index=i, item={**item, "arguments": ""}
+            )
             yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
             yield event(
                 "response.function_call_arguments.done",
@@ -327,7 +340,9 @@ def stream(resp: dict[str, Any]) -> Iterator[str]:
                 yield event(
                     f"response.{kind}.delta", **at, content_index=j, delta=part["text"], **extra
                 )
-                yield event(f"response.{kind}.done", **at, content_index=j, text=part["text"], **extra)
+                yield event(
+                    f"response.{kind}.done", **at, content_index=j, text=part["text"], **extra
+                )
                 yield event("response.content_part.done", **at, content_index=j, part=part)
         yield event("response.output_item.done", output_index=i, item=item)
     done = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"

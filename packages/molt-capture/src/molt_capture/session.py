@@ -152,9 +152,14 @@ class Session:
             )
         cur = self.current
         delta = self._delta(req, renderer) if cur is not None else None
-        extend = cur is not None and delta is not None and (cur.temperature, cur.top_p) == (
-            temperature,
-            top_p,
+        extend = (
+            cur is not None
+            and delta is not None
+            and (cur.temperature, cur.top_p)
+            == (
+                temperature,
+                top_p,
+            )
         )
         if extend:
             assert cur is not None and delta is not None

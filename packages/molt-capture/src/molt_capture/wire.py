@@ -43,7 +43,9 @@ class SamplingExtras(WireModel):
     def refuse_sampling_extras(self) -> None:
         for name, no_ops in SAMPLING_REFUSED.items():
             value = getattr(self, name)
-            if value is not None and not any(value == v and type(value) is not bool for v in no_ops):
+            if value is not None and not any(
+                value == v and type(value) is not bool for v in no_ops
+            ):
                 raise CaptureError(
                     400, f"{name} is not supported: it changes what is sampled untraceably", name
                 )
