@@ -150,8 +150,8 @@ class ChatRunner:
             tools=canonical_tools(row.get("tools")),
             label=row.get("label"),
             row=row,
-            # The OpenAI SDK appends /chat/completions, the Anthropic SDK /v1/messages: the
-            # server serves both under the session URL.
+            # The OpenAI SDK appends /chat/completions or /responses, the Anthropic SDK
+            # /v1/messages: the server serves all three under the session URL.
             base_url=session.base_url,
             anthropic_base_url=session.base_url,
             model=cfg.model_name,
