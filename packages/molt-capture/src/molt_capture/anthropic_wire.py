@@ -15,9 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from .errors import CaptureError
-from .render import Reply, check_tool_results, tool_call_message
+from .render import Reply, tool_call_message
 from .session import ChatRequest, TurnResult
-from .wire import SamplingExtras, parse, refuse_structured_output, refuse_tool_choice
+from .wire import (
+    SamplingExtras,
+    check_tool_results,
+    parse,
+    refuse_structured_output,
+    refuse_tool_choice,
+)
 from .wire import WireModel as _Model
 
 

@@ -112,28 +112,6 @@ def tool_call_message(name: str, arguments: dict[str, Any], call_id: str | None)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def check_tool_results(messages: list[dict[str, Any]], where: list[str]) -> None:
-    """Every tool result answers a call of the assistant message before it (as the real APIs
-    require): 400 naming the result's field (`where[i]`) otherwise."""
-    calls: set | None = None
-    for msg, param in zip(messages, where, strict=True):
-        if msg["role"] == "assistant":
-            calls = {c.get("id") for c in msg.get("tool_calls") or []} or None
-        elif msg["role"] != "tool":
-            calls = None
-        elif calls is None:
-            raise CaptureError(
-                400, f"{param}: a tool result must follow an assistant tool call", param
-            )
-        elif msg.get("tool_call_id") not in calls:
-            raise CaptureError(
-                400,
-                f"{param}: no tool call with id {msg.get('tool_call_id')!r} in the preceding "
-                "assistant message",
-                param,
-            )
-
-
 class ChatRenderer:
     """Renders conversations with the tokenizer's chat template and parses generated text."""
 

@@ -19,12 +19,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from .errors import CaptureError
-from .render import Reply, check_tool_results, tool_call_message
+from .render import Reply, tool_call_message
 from .session import ChatRequest, TurnResult
 from .wire import (
     SamplingExtras,
     WireModel,
     arguments,
+    check_tool_results,
     parse,
     refuse_structured_output,
     refuse_tool_choice,
@@ -66,7 +67,8 @@ class ReasoningItem(WireModel):
     content: list[ReasoningText] | None = None
 
 
-ITEMS: dict[str, type[WireModel]] = {
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEMS: dict[str, type[Item]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
@@ -164,6 +166,17 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
+def _item(raw: Any, i: int) -> Item:
+    kind = raw.get("type", "message") if isinstance(raw, dict) else None
+    model = ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        where = f"input.{i}"
+        raise CaptureError(
+            400, f"{where}: item type {kind!r} is not supported by this server", where
+        )
+    return parse(model, raw, f"input.{i}")
+
+
 def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """Template messages, and the input field each came from."""
     if isinstance(items, str):
@@ -171,51 +184,39 @@ def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]
     out: list[dict[str, Any]] = []
     where: list[str] = []
     turn: dict[str, Any] | None = None  # the assistant turn being assembled
-
-    def assistant(i: int, fresh: bool) -> dict[str, Any]:
-        nonlocal turn
-        if turn is None or fresh:
-            turn = {"role": "assistant", "content": ""}
-            out.append(turn)
-            where.append(f"input.{i}")
-        return turn
-
     for i, raw in enumerate(items):
-        kind = raw.get("type", "message") if isinstance(raw, dict) else None
-        model = ITEMS.get(kind) if isinstance(kind, str) else None
-        if model is None:
-            raise CaptureError(
-                400, f"input.{i}: item type {kind!r} is not supported by this server", f"input.{i}"
-            )
-        item = parse(model, raw, f"input.{i}")
-        if isinstance(item, ReasoningItem):
-            parts = item.content if item.content is not None else item.summary
-            text = "\n\n".join(p.text for p in parts)
-            cur = assistant(i, fresh=turn is not None and (turn["content"] or "tool_calls" in turn))
-            cur["reasoning_content"] = "\n\n".join(
-                filter(None, [cur.get("reasoning_content"), text])
-            )
-        elif isinstance(item, FunctionCallItem):
-            args = arguments(item.arguments, f"input.{i}.arguments")
-            cur = assistant(i, fresh=False)
-            cur.setdefault("tool_calls", []).append(
-                tool_call_message(item.name, args, item.call_id)
-            )
-        elif isinstance(item, MessageItem) and item.role == "assistant":
-            cur = assistant(i, fresh=turn is not None and (turn["content"] or "tool_calls" in turn))
-            cur["content"] = _text(item.content)
-        else:
-            turn = None
-            if isinstance(item, FunctionCallOutputItem):
-                out.append(
-                    {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
-                )
-                where.append(f"input.{i}.call_id")
-            else:
-                assert isinstance(item, MessageItem)
-                role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": _text(item.content)})
+        item = _item(raw, i)
+        if isinstance(item, ReasoningItem | FunctionCallItem) or (
+            isinstance(item, MessageItem) and item.role == "assistant"
+        ):
+            # A turn is reasoning, then text, then calls: reasoning or text after text or calls
+            # starts the next turn.
+            said = turn is not None and bool(turn["content"] or "tool_calls" in turn)
+            if turn is None or (said and not isinstance(item, FunctionCallItem)):
+                turn = {"role": "assistant", "content": ""}
+                out.append(turn)
                 where.append(f"input.{i}")
+            if isinstance(item, ReasoningItem):
+                parts = item.content if item.content is not None else item.summary
+                texts = [turn.get("reasoning_content"), *(p.text for p in parts)]
+                turn["reasoning_content"] = "\n\n".join(t for t in texts if t)
+            elif isinstance(item, FunctionCallItem):
+                args = arguments(item.arguments, f"input.{i}.arguments")
+                call = tool_call_message(item.name, args, item.call_id)
+                turn.setdefault("tool_calls", []).append(call)
+            else:
+                turn["content"] = _text(item.content)
+            continue
+        turn = None
+        if isinstance(item, FunctionCallOutputItem):
+            out.append(
+                {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
+            )
+            where.append(f"input.{i}.call_id")
+        else:
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content)})
+            where.append(f"input.{i}")
     return out, where
 
 

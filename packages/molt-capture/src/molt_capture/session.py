@@ -151,36 +151,28 @@ class Session:
                 "temperature",
             )
         cur = self.current
-        delta = self._delta(req, renderer) if cur is not None else None
-        extend = (
-            cur is not None
-            and delta is not None
-            and (cur.temperature, cur.top_p)
-            == (
-                temperature,
-                top_p,
-            )
-        )
-        if extend:
-            assert cur is not None and delta is not None
+        # A segment has one sampling setting, so the trainer recomputes log-probs rightly.
+        same_sampling = cur is not None and (cur.temperature, cur.top_p) == (temperature, top_p)
+        delta = self._delta(req, renderer) if same_sampling else None
+        if cur is not None and delta is not None:
             context_ids, prompt_text = renderer.encode(delta[0]), delta[1]
-            prompt_ids = cur.token_ids + context_ids
+            prompt_ids, routing_start = cur.token_ids + context_ids, cur.routing_known
         else:
             prompt_text = renderer.render(req.messages, req.tools, add_generation_prompt=True)
             context_ids = prompt_ids = renderer.encode(prompt_text)
+            routing_start = 0
         room = cfg.max_len - len(prompt_ids)
         want = req.max_tokens or cfg.max_tokens or room
-        routing_start = cur.routing_known if extend and cur is not None else 0
         params = SamplingParams(
             max(0, min(want, room)), temperature, top_p, list(req.stop), routing_start
         )
-        return _Plan(extend, context_ids, prompt_ids, prompt_text, params, room)
+        return _Plan(delta is not None, context_ids, prompt_ids, prompt_text, params, room)
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:
         """For a request that extends the open segment's conversation: the new messages' text
         and the render it ends (for the reply parser); None for anything else."""
         history, k = self._history, len(self._history)
-        if len(req.messages) <= k or req.tools != self._tools:
+        if not history or len(req.messages) <= k or req.tools != self._tools:
             return None
         for old, msg in zip(history, req.messages, strict=False):
             if not (old.matches(msg) if isinstance(old, Reply) else old == msg):

@@ -115,3 +115,25 @@ def refuse_structured_output(param: str) -> CaptureError:
     return CaptureError(
         400, f"structured output ({param}) is not supported (no constrained decoding)", param
     )
+
+
+def check_tool_results(messages: list[dict[str, Any]], where: list[str]) -> None:
+    """Every tool result answers a call of the assistant message before it (as the real APIs
+    require): 400 naming the result's field (`where[i]`) otherwise."""
+    calls: set | None = None
+    for msg, param in zip(messages, where, strict=True):
+        if msg["role"] == "assistant":
+            calls = {c.get("id") for c in msg.get("tool_calls") or []} or None
+        elif msg["role"] != "tool":
+            calls = None
+        elif calls is None:
+            raise CaptureError(
+                400, f"{param}: a tool result must follow an assistant tool call", param
+            )
+        elif msg.get("tool_call_id") not in calls:
+            raise CaptureError(
+                400,
+                f"{param}: no tool call with id {msg.get('tool_call_id')!r} in the preceding "
+                "assistant message",
+                param,
+            )
