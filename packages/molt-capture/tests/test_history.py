@@ -98,3 +98,56 @@ def test_edited_history_still_seals(qwen3):
     turn(s, renderer, gen, edited)  # a tool result was changed: a rewrite
     assert [len(x.turns) for x in s.segments()] == [2, 1]
     assert_token_exact(s.segments(), gen.calls)
+
+
+@pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
+def test_sdk_tool_loops_stay_one_segment_without_thinking(qwen3, wire):
+    """The issue's case: enable_thinking=False, a 4-turn tool loop through each stock SDK."""
+    import anthropic
+    import openai
+
+    from molt_capture import CaptureServer
+
+    calls = [tool_call_text("add", {"a": i, "b": 1}) for i in range(4)]
+    gen = FakeGenerator(qwen3, [*calls, "Done."])
+    kwargs = {"enable_thinking": False}
+    with CaptureServer(qwen3, gen, chat_template_kwargs=kwargs) as server:
+        s = server.open_session()
+        if wire == "chat":
+            client = openai.OpenAI(base_url=s.base_url, api_key="k", max_retries=0)
+            msgs = [{"role": "user", "content": "Count."}]
+            for _ in range(5):
+                r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+                message = r.choices[0].message
+                msgs.append(message.model_dump(exclude_none=True))
+                for c in message.tool_calls or []:
+                    msgs.append({"role": "tool", "tool_call_id": c.id, "content": "1"})
+        elif wire == "responses":
+            client = openai.OpenAI(base_url=s.base_url, api_key="k", max_retries=0)
+            tools = [{"type": "function", **ADD_TOOL["function"]}]
+            items: list = [{"role": "user", "content": "Count."}]
+            for _ in range(5):
+                r = client.responses.create(model="m", input=items, tools=tools)
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                for o in r.output:
+                    if o.type == "function_call":
+                        items.append(
+                            {"type": "function_call_output", "call_id": o.call_id, "output": "1"}
+                        )
+        else:
+            client = anthropic.Anthropic(base_url=s.base_url, api_key="k", max_retries=0)
+            tool = {"name": "add", "input_schema": ADD_TOOL["function"]["parameters"]}
+            msgs = [{"role": "user", "content": "Count."}]
+            for _ in range(5):
+                r = client.messages.create(model="m", max_tokens=200, messages=msgs, tools=[tool])
+                msgs.append({"role": "assistant", "content": r.content})
+                results = [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": "1"}
+                    for b in r.content
+                    if b.type == "tool_use"
+                ]
+                if results:
+                    msgs.append({"role": "user", "content": results})
+        (seg,) = server.close_session(s.id)
+    assert len(seg.turns) == 5
+    assert_token_exact([seg], gen.calls)

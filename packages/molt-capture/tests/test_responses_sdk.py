@@ -134,9 +134,9 @@ def test_refusals_name_the_field(server, gen):
     assert close(server, gen, s) == []
 
 
-def test_openai_agents_sdk_runs_a_tool_loop(server, gen):
+@pytest.mark.parametrize("model_class", [None, "OpenAIChatCompletionsModel"])
+def test_openai_agents_sdk_runs_a_tool_loop(server, gen, model_class):
     agents = pytest.importorskip("agents")
-    gen.set_replies([tool_call_text("add", {"a": 1, "b": 2}), "The answer is 3."])
     s = server.open_session()
 
     @agents.function_tool
@@ -146,7 +146,11 @@ def test_openai_agents_sdk_runs_a_tool_loop(server, gen):
 
     async def main(streamed: bool) -> str:
         sdk = openai.AsyncOpenAI(base_url=s.base_url, api_key="any", max_retries=0)
-        model = agents.OpenAIResponsesModel(model="gpt-4.1", openai_client=sdk)  # the default
+        if model_class is None:  # the SDK's default model (Responses) and settings
+            agents.set_default_openai_client(sdk, use_for_tracing=False)
+            model = None
+        else:
+            model = getattr(agents, model_class)(model="gpt-4.1", openai_client=sdk)
         agent = agents.Agent(name="calc", instructions="Use the tool.", tools=[add], model=model)
         if streamed:
             run = agents.Runner.run_streamed(agent, "What is 1+2?")
@@ -158,11 +162,13 @@ def test_openai_agents_sdk_runs_a_tool_loop(server, gen):
         return run.final_output
 
     agents.set_tracing_disabled(True)
+    gen.set_replies([tool_call_text("add", {"a": 1, "b": 2}), "The answer is 3."])
     assert asyncio.run(main(streamed=False)) == "The answer is 3."
     (seg,) = close(server, gen, s)
     text = server.renderer.tokenizer.decode(seg.token_ids)
     assert len(seg.turns) == 2 and "<tool_response>\n3\n</tool_response>" in text
     s = server.open_session()
+    gen.set_replies([tool_call_text("add", {"a": 1, "b": 2}), "The answer is 3."])
     assert asyncio.run(main(streamed=True)) == "The answer is 3."
     (seg,) = close(server, gen, s)
     assert len(seg.turns) == 2
