@@ -108,8 +108,10 @@ class Reply:
 
 
 def tool_call_message(name: str, arguments: dict[str, Any], call_id: str | None) -> dict[str, Any]:
-    """A tool call in template form; the id lets the wires check tool results against calls."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    """A tool call in template form. The id (as vLLM passes it) reaches templates that render
+    ids and lets the wires check tool results against calls."""
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id, **call} if call_id is not None else call
 
 
 class ChatRenderer:

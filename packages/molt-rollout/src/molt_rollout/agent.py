@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from molt_capture import Reply
+from molt_capture.server import MAX_REQUEST_BYTES
 
 T = TypeVar("T")
 
@@ -127,6 +128,7 @@ class RunnerConfig:
     parser: str = "qwen3"  # reply markup family (molt_capture.PARSERS)
     model_name: str = "molt-policy"  # ChatAgent: what the server calls the model
     generator_timeout_s: float | None = 600.0  # ChatAgent: one engine call
+    max_request_bytes: int = MAX_REQUEST_BYTES  # ChatAgent: a larger request body gets 413
 
 
 @dataclass

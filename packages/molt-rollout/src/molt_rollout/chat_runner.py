@@ -67,6 +67,7 @@ class ChatRunner:
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 model_name=cfg.model_name,
                 generator_timeout_s=cfg.generator_timeout_s,
+                max_request_bytes=cfg.max_request_bytes,
             ).start()
         return self._server
 
