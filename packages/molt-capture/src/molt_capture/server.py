@@ -116,6 +116,7 @@ class CaptureServer:
         in order. Called from another thread while serving, it first waits for a turn still in
         flight to commit, so no generated turn is lost or read half-written."""
         session = self.sessions.pop(session_id)
+        session.closed = True
         loop = self._loop
         if loop is None or not loop.is_running() or threading.current_thread() is self._thread:
             return session.segments()

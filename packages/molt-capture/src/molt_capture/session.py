@@ -80,6 +80,7 @@ class Session:
         self.row = row  # the dataset row the runner opened the session for
         self.base_url = ""  # set by the server: what the agent's SDK client is given
         self.lock = asyncio.Lock()  # one turn at a time per session
+        self.closed = False  # set by the server's close_session: later turns get 404
         self.sealed: list[Segment] = []
         self.current: Segment | None = None
         # The open segment's conversation: the client's messages, and our replies as `Reply`
@@ -104,6 +105,8 @@ class Session:
         timeout_s: float | None,
     ) -> TurnResult:
         async with self.lock:
+            if self.closed:  # closed while this request was being read or parsed
+                raise CaptureError(404, "unknown session (closed, or never opened)")
             key = await asyncio.to_thread(lambda: hashlib.sha256(raw).digest())
             if key == self._last_key and self._last_result is not None:
                 return self._last_result  # a client retry: answer again, record nothing

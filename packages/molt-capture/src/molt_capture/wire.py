@@ -14,6 +14,8 @@ from .errors import CaptureError
 IMAGES_REFUSED = (
     "image, audio and file input needs a multimodal model; this server serves a text-only model"
 )
+# Content part / block types that carry media, on any wire.
+MEDIA_TYPES = {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
 # Fields some client may send (vLLM extras through `extra_body` included) that change what is
 # sampled in a way the recorded log-probs would not reflect; each with the values that are no-ops.
 SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
@@ -43,9 +45,7 @@ class SamplingExtras(WireModel):
     def refuse_sampling_extras(self) -> None:
         for name, no_ops in SAMPLING_REFUSED.items():
             value = getattr(self, name)
-            if value is not None and not any(
-                value == v and type(value) is not bool for v in no_ops
-            ):
+            if value is not None and (isinstance(value, bool) or value not in no_ops):
                 raise CaptureError(
                     400, f"{name} is not supported: it changes what is sampled untraceably", name
                 )
@@ -64,7 +64,7 @@ def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
         tag = (err.get("ctx") or {}).get("tag") if err["type"] == "union_tag_invalid" else None
         if err["type"] == "literal_error" and err["loc"][-1:] == ("type",):
             tag, err = err["input"], {**err, "loc": err["loc"][:-1]}
-        if isinstance(tag, str) and tag in MEDIA_TYPES:
+        if "content" in err["loc"] and isinstance(tag, str) and tag in MEDIA_TYPES:
             at = where(err["loc"])
             return CaptureError(400, f"{at}: {IMAGES_REFUSED}", at)
     at = where(errors[0]["loc"])
@@ -78,18 +78,6 @@ def parse(model: type[WireModel], raw: bytes | dict, prefix: str = "") -> Any:
         return model.model_validate(raw)
     except ValidationError as e:
         raise validation_error(e, prefix) from None
-
-
-# Content part / block types that carry media, on any wire.
-MEDIA_TYPES = {
-    "image_url",
-    "input_audio",
-    "file",
-    "image",
-    "document",
-    "input_image",
-    "input_file",
-}
 
 
 def arguments(text: str, where: str) -> dict[str, Any]:
