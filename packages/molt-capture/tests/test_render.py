@@ -1,9 +1,12 @@
 """Reply parsing per markup family, and the template's end-of-turn tokens."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from molt_capture import ChatRenderer
 from molt_capture.testing import (
+    ADD_TOOL,
     QWEN3_STYLE_TEMPLATE,
     build_tiny_tokenizer,
     encode_noncanonical,
@@ -101,3 +104,24 @@ def test_unknown_parser_and_template_errors(tokenizer):
         ChatRenderer(tokenizer, "nope")
     with pytest.raises(ValueError, match="response_template"):
         ChatRenderer(tokenizer, "tokenizer")
+
+
+MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "<|endoftext|>"]
+MARKUP += ["<|im_start|>", "\n", "x", "{", "}", "<function=add>", "<parameter=a>", "</parameter>"]
+PAYLOADS = ["7", "[1]", "null", '"s"', '{"name": 5}', '{"arguments": {}}', '{"name": "add"}']
+PAYLOADS += ['{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": "{}"}']
+MARKUP += [f"<tool_call>\n{p}\n</tool_call>" for p in PAYLOADS]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pieces=st.lists(st.sampled_from(MARKUP), max_size=14), tools=st.booleans())
+def test_any_model_output_parses_to_a_reply(tokenizer, pieces, tools):
+    """Whatever the model writes, parsing returns a reply: never an exception (a 500 after the
+    engine already answered)."""
+    text = "".join(pieces)
+    for family in ("qwen3", "qwen3_xml"):
+        reply = ChatRenderer(tokenizer, family).parse(
+            tokenizer.encode(text), PROMPT, [ADD_TOOL] if tools else None
+        )
+        assert isinstance(reply.content, str)
+        assert all(isinstance(tc.arguments, dict) for tc in reply.tool_calls)

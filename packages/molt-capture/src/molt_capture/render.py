@@ -213,20 +213,21 @@ class ChatRenderer:
             parser = ResponseParser(self.response_template, prefix=prompt_text, tools=tools)
             events = parser.initial_events + parser.feed(text)
             msg, final = parser.finalize()
-        except (ValueError, KeyError, RecursionError):
+        except Exception:  # any parser failure: the output is the model's, never a server error
             # Malformed markup (e.g. broken JSON in a tool call) is the model's answer: return it
             # as text; the trace still holds exactly what was generated.
             return Reply(content=self._strip_special(text))
         calls = []
         for raw in msg.get("tool_calls") or []:
             fn = raw.get("function") if isinstance(raw, dict) else None
-            args = fn.get("arguments") if isinstance(fn, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            args = fn.get("arguments")
             if isinstance(args, str):
                 try:
                     args = json.loads(args)
                 except (json.JSONDecodeError, RecursionError):
                     args = None
-            if not isinstance(fn.get("name") if fn else None, str) or not isinstance(args, dict):
+            if not isinstance(fn.get("name"), str) or not isinstance(args, dict):
                 return Reply(content=self._strip_special(text))  # not a usable call: text
             calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args))
         # Every region's text, not the parser's last one: a stray special token or a second
