@@ -1,5 +1,7 @@
 """Reply parsing per markup family, and the template's end-of-turn tokens."""
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -110,6 +112,10 @@ MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "<
 MARKUP += ["<|im_start|>", "\n", "x", "{", "}", "<function=add>", "<parameter=a>", "</parameter>"]
 PAYLOADS = ["7", "[1]", "null", '"s"', '{"name": 5}', '{"arguments": {}}', '{"name": "add"}']
 PAYLOADS += ['{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": "{}"}']
+PAYLOADS += [
+    '{"name": "add", "arguments": {"a": NaN}}',
+    '{"name": "add", "arguments": "[Infinity]"}',
+]
 MARKUP += [f"<tool_call>\n{p}\n</tool_call>" for p in PAYLOADS]
 
 
@@ -124,4 +130,5 @@ def test_any_model_output_parses_to_a_reply(tokenizer, pieces, tools):
             tokenizer.encode(text), PROMPT, [ADD_TOOL] if tools else None
         )
         assert isinstance(reply.content, str)
-        assert all(isinstance(tc.arguments, dict) for tc in reply.tool_calls)
+        for tc in reply.tool_calls:  # strict JSON objects, as every wire sends them
+            assert isinstance(tc.arguments, dict) and json.dumps(tc.arguments, allow_nan=False)

@@ -19,7 +19,7 @@ USER = {"role": "user", "content": "What is 1+2?"}
 BODIES = {
     "chat/completions": {"model": "m", "messages": [USER]},
     "responses": {"model": "m", "input": "What is 1+2?"},
-    "v1/messages": {"model": "m", "max_tokens": 16, "messages": [USER]},
+    "v1/messages": {"model": "m", "max_tokens": 200, "messages": [USER]},
 }
 # Where each wire puts the same thing.
 TOOLS = {
@@ -236,4 +236,16 @@ def test_reply_text_around_stray_tokens_reaches_the_agent(server, gen, text, con
     message = r.choices[0].message
     assert message.content == content
     assert (message.model_extra or {}).get("reasoning_content") == reasoning
+    server.close_session(s.id)
+
+
+@pytest.mark.parametrize("route", list(BODIES))
+def test_tool_arguments_strict_json_cannot_carry_are_text(server, gen, route):
+    """Python's JSON parser accepts NaN; a reply carrying it would be invalid JSON (and
+    Starlette refuses to render it: a 500 after the engine answered)."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": NaN}}\n</tool_call>'
+    gen.set_replies([call])
+    s = server.open_session()
+    r = post(server, s, route, {**BODIES[route], "tools": TOOLS[route]})
+    assert r.status_code == 200 and "NaN" in r.text and "tool_use" not in r.text
     server.close_session(s.id)

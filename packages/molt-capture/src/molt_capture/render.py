@@ -114,6 +114,16 @@ def tool_call_message(name: str, arguments: dict[str, Any], call_id: str | None)
     return {"id": call_id, **call} if call_id is not None else call
 
 
+def _json_object(args: Any) -> bool:
+    """A dict that strict JSON can carry: NaN or Infinity (which Python's parser accepts)
+    would make the reply invalid JSON for the client."""
+    try:
+        json.dumps(args, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return isinstance(args, dict)
+
+
 class ChatRenderer:
     """Renders conversations with the tokenizer's chat template and parses generated text."""
 
@@ -227,7 +237,7 @@ class ChatRenderer:
                     args = json.loads(args)
                 except (json.JSONDecodeError, RecursionError):
                     args = None
-            if not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+            if not isinstance(fn.get("name"), str) or not _json_object(args):
                 return Reply(content=self._strip_special(text))  # not a usable call: text
             calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args))
         # Every region's text, not the parser's last one: a stray special token or a second
