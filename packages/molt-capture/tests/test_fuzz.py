@@ -288,6 +288,9 @@ def damaged(base: dict, key: str):
         st.sampled_from(["\\ud800", "\\udfff", "\\ud83d x"]).map(
             lambda u: raw.replace(b'"hi"', f'"{u}"'.encode())
         ),
+        st.sampled_from(["NaN", "Infinity", "-Infinity"]).map(
+            lambda n: raw.replace(b'"hi"', n.encode())
+        ),
         st.sampled_from(["utf-16", "utf-32", "utf-8-sig"]).map(
             lambda enc: json.dumps(base).encode(enc)
         ),

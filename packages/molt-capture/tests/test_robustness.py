@@ -249,3 +249,18 @@ def test_tool_arguments_strict_json_cannot_carry_are_text(server, gen, route):
     r = post(server, s, route, {**BODIES[route], "tools": TOOLS[route]})
     assert r.status_code == 200 and "NaN" in r.text and "tool_use" not in r.text
     server.close_session(s.id)
+
+
+@pytest.mark.parametrize("route", list(BODIES))
+def test_numbers_no_reply_could_carry_are_refused(server, gen, route):
+    """NaN / Infinity literals are not JSON; 1e400 parses as infinity. Either in a tool schema
+    (which the Responses wire echoes) must be a 400, never a 500 after generating."""
+    s = server.open_session()
+    body = json.dumps({**BODIES[route], "tools": TOOLS[route]})
+    for number in ("NaN", "Infinity", "1e400"):
+        raw = body.replace('"integer"}', '"integer", "maximum": ' + number + "}", 1).encode()
+        assert number.encode() in raw
+        r = post(server, s, route, raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (number, r.text)
+    assert gen.calls_for(s.id) == []
+    server.close_session(s.id)

@@ -23,6 +23,7 @@ from .wire import (
     parse,
     refuse_structured_output,
     refuse_tool_choice,
+    tool_schema,
 )
 from .wire import WireModel as _Model
 
@@ -129,7 +130,8 @@ def parse_count_request(raw: bytes) -> ChatRequest:
 def convert_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """Anthropic's `input_schema` is the JSON schema OpenAI calls `parameters`."""
     out = []
-    for t in tools or []:
+    for i, t in enumerate(tools or []):
+        tool_schema(t.input_schema, f"tools.{i}.input_schema")
         fn: dict[str, Any] = {"name": t.name}
         if t.description is not None:
             fn["description"] = t.description

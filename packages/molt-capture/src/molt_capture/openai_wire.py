@@ -24,6 +24,7 @@ from .wire import (
     parse,
     refuse_structured_output,
     refuse_tool_choice,
+    tool_schema,
 )
 from .wire import WireModel as _Model
 
@@ -94,6 +95,8 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     refuse_tool_choice(choice if isinstance(choice, str) else "named")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    for i, t in enumerate(req.tools or []):
+        tool_schema(t.function.parameters, f"tools.{i}.function.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     messages = [_to_template(m, i) for i, m in enumerate(req.messages)]
     check_tool_results(messages, [f"messages.{i}.tool_call_id" for i in range(len(messages))])

@@ -29,6 +29,7 @@ from .wire import (
     parse,
     refuse_structured_output,
     refuse_tool_choice,
+    tool_schema,
 )
 
 
@@ -158,6 +159,7 @@ def _tool(raw: dict[str, Any], i: int) -> dict[str, Any]:
         where = f"tools.{i}.type"
         raise CaptureError(400, f"{where}: only function tools are supported", where)
     t = parse(FunctionTool, raw, f"tools.{i}")
+    tool_schema(t.parameters, f"tools.{i}.parameters")
     fn = t.model_dump(exclude_none=True, exclude={"type", "strict"})
     return {"type": "function", "function": fn}
 

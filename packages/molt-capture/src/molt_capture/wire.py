@@ -4,6 +4,7 @@ forced tool choice)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pydantic_core
@@ -72,19 +73,33 @@ def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
 
 
 def parse(model: type[WireModel], raw: bytes | dict, prefix: str = "") -> Any:
+    """Validate a body (bytes) or an item of one (dict). Bodies are strict JSON: NaN and
+    Infinity literals, which no reply could carry back, are malformed JSON here."""
+    if isinstance(raw, bytes | bytearray):
+        try:
+            raw = pydantic_core.from_json(raw, allow_inf_nan=False)
+        except ValueError as e:
+            raise CaptureError(400, f"invalid JSON body: {e}", "body") from None
     try:
-        if isinstance(raw, bytes | bytearray):
-            return model.model_validate_json(raw)
         return model.model_validate(raw)
     except ValidationError as e:
         raise validation_error(e, prefix) from None
+
+
+def tool_schema(schema: dict[str, Any] | None, where: str) -> None:
+    """A tool's JSON schema must be strict JSON (1e400 parses as infinity): the schema reaches
+    the prompt and the Responses wire echoes it in its reply."""
+    try:
+        json.dumps(schema, allow_nan=False)
+    except ValueError:
+        raise CaptureError(400, f"{where}: a number is not finite", where) from None
 
 
 def arguments(text: str, where: str) -> dict[str, Any]:
     """Tool-call arguments sent as a JSON string: an object, nested no deeper than a request
     body may be (the parser's recursion limit), else 400."""
     try:
-        args = pydantic_core.from_json(text)
+        args = pydantic_core.from_json(text, allow_inf_nan=False)
     except ValueError:
         args = None
     if not isinstance(args, dict):
