@@ -2,6 +2,7 @@
 
     python benchmarks/capture_large_request.py               # a 10 MB request, 40 small ones
     python benchmarks/capture_large_request.py --mb 10 --small 40
+    python benchmarks/capture_large_request.py --messages    # 10 MB as ~100-byte messages
 
 The server runs in this process (a background thread, as the agent runner embeds it), with the
 deterministic fake generator and the tiny test tokenizer (about 1 token per byte here, so the
@@ -68,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=10)
     ap.add_argument("--small", type=int, default=40)
+    ap.add_argument("--messages", action="store_true", help="the large body as many messages")
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
@@ -85,6 +87,7 @@ def main() -> None:
     with CaptureServer(tok, FakeGenerator(tok, ["Hi."])) as server:
         spec = {
             "mb": args.mb,
+            "messages": args.messages,
             "big_url": server.open_session().base_url,
             "small_urls": [server.open_session().base_url for _ in range(2 * args.small)],
         }
@@ -97,7 +100,10 @@ def main() -> None:
     r = json.loads(out.stdout)
     alone, during = [1000 * x for x in r["alone"]], [1000 * x for x in r["during"]]
     base = statistics.median(alone)
-    print(f"large request: {args.mb} MB, status {r['big']['status']}, {r['big']['s']:.1f} s")
+    shape = "~100-byte messages" if args.messages else "one message"
+    print(
+        f"large request: {args.mb} MB as {shape}, status {r['big']['status']}, {r['big']['s']:.1f} s"
+    )
     print(f"small alone:  p50 {base:.1f} ms  max {max(alone):.1f} ms  (n={len(alone)})")
     print(f"slowest small request of the second phase: {1000 * r['slowest']:.0f} ms")
     if not during:

@@ -81,7 +81,7 @@ class ToolChoice(_Model):
 
 class MessagesRequest(SamplingExtras):
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)  # validated one by one, as on the OpenAI wire
     model: str | None = None
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
@@ -94,7 +94,7 @@ class MessagesRequest(SamplingExtras):
 
 
 class CountTokensRequest(_Model):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)  # validated one by one, as on the OpenAI wire
     model: str | None = None
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
@@ -144,15 +144,14 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def to_template(
-    system: str | list[TextBlock] | None, messages: list[Message]
-) -> list[dict[str, Any]]:
+def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     where: list[str] = []  # each template message's field, for the tool-result check
     if system:
         out.append({"role": "system", "content": _text(system)})
         where.append("system")
-    for i, m in enumerate(messages):
+    for i, raw in enumerate(messages):
+        m = parse(Message, raw, f"messages.{i}")
         blocks = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )

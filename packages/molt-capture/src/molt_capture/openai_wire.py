@@ -70,7 +70,9 @@ class StreamOptions(_Model):
 
 
 class CompletionRequest(SamplingExtras):
-    messages: list[Message] = Field(min_length=1)
+    # Each message is validated on its own (in `parse_request`): the validator holds the GIL,
+    # and one call over 100k messages would hold the event loop as long.
+    messages: list[Any] = Field(min_length=1)
     model: str | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -98,7 +100,9 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
     for i, t in enumerate(req.tools or []):
         tool_schema(t.function.parameters, f"tools.{i}.function.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
-    messages = [_to_template(m, i) for i, m in enumerate(req.messages)]
+    messages = [
+        _to_template(parse(Message, m, f"messages.{i}"), i) for i, m in enumerate(req.messages)
+    ]
     check_tool_results(messages, [f"messages.{i}.tool_call_id" for i in range(len(messages))])
     max_tokens = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     chat = ChatRequest(
