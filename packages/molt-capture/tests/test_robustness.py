@@ -51,6 +51,8 @@ def test_request_size_limit_is_413_in_the_wire_shape(tokenizer, route):
         s = server.open_session()
         big = {**BODIES[route], "padding": "x" * 5000}
         assert_wire_error(route, post(server, s, route, big), 413, "max_request_bytes")
+        if route == "v1/messages":  # the Anthropic SDK's error type for it
+            assert post(server, s, route, big).json()["error"]["type"] == "request_too_large"
 
         def chunks():  # no content-length: the limit holds while streaming the body in
             yield json.dumps(big).encode()

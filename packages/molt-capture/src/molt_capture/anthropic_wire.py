@@ -290,6 +290,11 @@ def stream(result: TurnResult, model: str) -> Iterator[str]:
 
 
 def error_body(e: CaptureError) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+    }
     kind = kinds.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
