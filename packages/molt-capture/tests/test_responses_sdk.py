@@ -12,6 +12,7 @@ import pytest
 from molt_capture.testing import ADD_TOOL, assert_token_exact, tool_call_text
 
 TOOL = {"type": "function", **ADD_TOOL["function"]}  # the Responses form of the tool
+IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
 CALL = "<think>\nI should add.\n</think>\n\nLet me add.\n" + tool_call_text("add", {"a": 1, "b": 2})
 
 
@@ -120,6 +121,15 @@ def test_refusals_name_the_field(server, gen):
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "3"}]}, "input.0"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "multimodal",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "add", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c", "output": [IMAGE]},
+                ]
+            },
             "multimodal",
         ),
         ({"input": "x", "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),

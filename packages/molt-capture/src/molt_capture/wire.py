@@ -65,7 +65,8 @@ def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
         tag = (err.get("ctx") or {}).get("tag") if err["type"] == "union_tag_invalid" else None
         if err["type"] == "literal_error" and err["loc"][-1:] == ("type",):
             tag, err = err["input"], {**err, "loc": err["loc"][:-1]}
-        if "content" in err["loc"] and isinstance(tag, str) and tag in MEDIA_TYPES:
+        in_content = "content" in err["loc"] or "output" in err["loc"]  # a tool's output too
+        if in_content and isinstance(tag, str) and tag in MEDIA_TYPES:
             at = where(err["loc"])
             return CaptureError(400, f"{at}: {IMAGES_REFUSED}", at)
     at = where(errors[0]["loc"])
