@@ -146,10 +146,10 @@ def _text(content: str | list[TextBlock]) -> str:
 
 def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    where: list[str] = []  # each template message's field, for the tool-result check
+    origin: list[str] = []  # each template message's field, for the tool-result check
     if system:
         out.append({"role": "system", "content": _text(system)})
-        where.append("system")
+        origin.append("system")
     for i, raw in enumerate(messages):
         m = parse(Message, raw, f"messages.{i}")
         blocks = (
@@ -162,7 +162,7 @@ def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> li
                     out.append(
                         {"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id}
                     )
-                    where.append(f"messages.{i}.content.{j}.tool_use_id")
+                    origin.append(f"messages.{i}.content.{j}.tool_use_id")
                 elif isinstance(b, TextBlock):
                     texts.append(b.text)
                 else:
@@ -172,7 +172,7 @@ def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> li
                     )
             if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": "".join(texts)})
-                where.append(f"messages.{i}")
+                origin.append(f"messages.{i}")
             continue
         msg: dict[str, Any] = {"role": "assistant", "content": ""}
         calls = []
@@ -191,8 +191,8 @@ def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> li
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
-        where.append(f"messages.{i}")
-    check_tool_results(out, where)
+        origin.append(f"messages.{i}")
+    check_tool_results(out, origin)
     return out
 
 
