@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -34,6 +35,7 @@ from .types import Segment
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's documented limit for a Messages request
+WORKER_THREADS = 32
 
 
 def _is_loopback(host: str) -> bool:
@@ -154,8 +156,14 @@ class CaptureServer:
     def _serve(self) -> None:
         # Our own loop (rather than uvicorn's run) so close_session can schedule onto it.
         self._loop = asyncio.new_event_loop()
+        # Parsing, rendering and tokenizing run on this pool (asyncio.to_thread): wide, so a
+        # few huge requests cannot take every worker from the small ones (the default pool
+        # has cores + 4).
+        workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="molt-capture-work")
+        self._loop.set_default_executor(workers)
         with contextlib.suppress(SystemExit):  # uvicorn exits if it cannot bind; start() says so
             self._loop.run_until_complete(self._server.serve())
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
         self._loop.close()
 
     def stop(self) -> None:
