@@ -1,4 +1,4 @@
-"""The capture server: FastAPI routes for both wires, the session registry, and an in-process
+"""The capture server: FastAPI routes for every wire, the session registry, and an in-process
 uvicorn on a background thread with an ephemeral port (one per agent-runner process).
 
 Every session lives under `/s/{session_id}`; that prefix is the SDK `base_url`. The OpenAI SDK

@@ -28,7 +28,7 @@ Generator = Callable[[list[int], SamplingParams, str], Awaitable[Generation]]
 
 @dataclass
 class ChatRequest:
-    """A turn as both wires describe it, in chat-template form."""
+    """A turn as every wire describes it, in chat-template form."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
