@@ -4,7 +4,7 @@ uvicorn on a background thread with an ephemeral port (one per agent-runner proc
 Every session lives under `/s/{session_id}`; that prefix is the SDK `base_url`. The OpenAI SDK
 appends `/chat/completions` or `/responses` and the Anthropic SDK `/v1/messages`, so all are
 served there (and under `/v1/...` for clients given the conventional `.../v1` base).
-Every answer, unknown routes and methods included, is in the wire's own error shape.
+Every error, unknown routes and methods included, is in the wire's own error shape.
 """
 
 from __future__ import annotations
