@@ -1,9 +1,13 @@
 """Reply parsing per markup family, and the template's end-of-turn tokens."""
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from molt_capture import ChatRenderer
-from molt_capture.testing import encode_noncanonical, tool_call_text
+from molt_capture.testing import ADD_TOOL, encode_noncanonical, tool_call_text
 from molt_capture.tiny_tokenizer import QWEN3_STYLE_TEMPLATE, build_tiny_tokenizer
 
 PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -97,3 +101,29 @@ def test_unknown_parser_and_template_errors(tokenizer):
         ChatRenderer(tokenizer, "nope")
     with pytest.raises(ValueError, match="response_template"):
         ChatRenderer(tokenizer, "tokenizer")
+
+
+MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "<|endoftext|>"]
+MARKUP += ["<|im_start|>", "\n", "x", "{", "}", "<function=add>", "<parameter=a>", "</parameter>"]
+PAYLOADS = ["7", "[1]", "null", '"s"', '{"name": 5}', '{"arguments": {}}', '{"name": "add"}']
+PAYLOADS += ['{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": "{}"}']
+PAYLOADS += [
+    '{"name": "add", "arguments": {"a": NaN}}',
+    '{"name": "add", "arguments": "[Infinity]"}',
+]
+MARKUP += [f"<tool_call>\n{p}\n</tool_call>" for p in PAYLOADS]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pieces=st.lists(st.sampled_from(MARKUP), max_size=14), tools=st.booleans())
+def test_any_model_output_parses_to_a_reply(tokenizer, pieces, tools):
+    """Whatever the model writes, parsing returns a reply: never an exception (a 500 after the
+    engine already answered)."""
+    text = "".join(pieces)
+    for family in ("qwen3", "qwen3_xml"):
+        reply = ChatRenderer(tokenizer, family).parse(
+            tokenizer.encode(text), PROMPT, [ADD_TOOL] if tools else None
+        )
+        assert isinstance(reply.content, str)
+        for tc in reply.tool_calls:  # strict JSON objects, as every wire sends them
+            assert isinstance(tc.arguments, dict) and json.dumps(tc.arguments, allow_nan=False)

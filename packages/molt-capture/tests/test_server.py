@@ -162,7 +162,8 @@ def test_close_waits_for_a_turn_in_flight(server):
         )
     )
     request.start()
-    time.sleep(0.1)  # the turn is now waiting on the generator
+    while not s.lock.locked():  # the turn has started (parsing runs before it, off the loop)
+        time.sleep(0.005)
     (segment,) = server.close_session(s.id)
     request.join()
     assert len(segment.turns) == 1 and reply[0].choices[0].message.content == "Late."

@@ -278,7 +278,9 @@ DOC_ROW = {
 }
 
 
-@pytest.mark.parametrize("name", ["calculator_env.py", "openai_agent.py", "anthropic_agent.py"])
+@pytest.mark.parametrize(
+    "name", ["calculator_env.py", "openai_agent.py", "responses_agent.py", "anthropic_agent.py"]
+)
 def test_docs_examples_run(name, tmp_path, tokenizer):
     files = doc_files()
     assert name in files, f"docs/agents.md has no example {name}"

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from molt_capture.errors import ParamRejected
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.client import (
     GENERATE_PATH,
@@ -310,6 +311,14 @@ def test_4xx_fails_at_once_with_the_engine_message(engine, code, message):
     assert str(code) in str(info.value)
     assert message in str(info.value)
     assert len(engine.generate_calls()) == 1
+
+
+def test_refused_sampling_parameter_is_named(engine):
+    engine.actions = [("status", 400, "stop strings must not be empty")]
+    with pytest.raises(ParamRejected) as info:
+        generate(make_client(engine.url, max_retries=3))
+    assert info.value.param == "stop" and "must not be empty" in info.value.message
+    assert isinstance(info.value, GenerationError)
 
 
 def test_request_timeout_raises(engine):

@@ -1,6 +1,6 @@
 """molt-capture: token-exact OpenAI/Anthropic-compatible capture server for agentic RL."""
 
-from .errors import CaptureError
+from .errors import CaptureError, ParamRejected
 from .render import PARSERS, ChatRenderer, Reply, ToolCall
 from .server import CaptureServer
 from .session import ChatRequest, Generator, Session, SessionConfig, TurnResult
@@ -15,6 +15,7 @@ __all__ = [
     "ChatRequest",
     "Generation",
     "Generator",
+    "ParamRejected",
     "Reply",
     "Rollout",
     "SamplingParams",

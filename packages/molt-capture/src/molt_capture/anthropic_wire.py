@@ -12,16 +12,20 @@ import secrets
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from .errors import CaptureError
-from .openai_wire import validation_error
 from .render import Reply, tool_call_message
 from .session import ChatRequest, TurnResult
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+from .wire import (
+    SamplingExtras,
+    check_tool_results,
+    parse,
+    refuse_structured_output,
+    refuse_tool_choice,
+    tool_schema,
+)
+from .wire import WireModel as _Model
 
 
 class TextBlock(_Model):
@@ -75,37 +79,34 @@ class ToolChoice(_Model):
     type: Literal["auto", "none", "any", "tool"]
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(SamplingExtras):
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)  # validated one by one, as on the OpenAI wire
     model: str | None = None
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
+    output_format: dict[str, Any] | None = None  # structured outputs (beta)
 
 
 class CountTokensRequest(_Model):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)  # validated one by one, as on the OpenAI wire
     model: str | None = None
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
 
 
 def parse_request(raw: bytes) -> tuple[MessagesRequest, ChatRequest]:
-    try:
-        req = MessagesRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    if req.top_k is not None:
-        raise CaptureError(400, "top_k is not supported: it changes sampled log-probs", "top_k")
+    req = parse(MessagesRequest, raw)
+    req.refuse_sampling_extras()
+    if req.output_format is not None:
+        raise refuse_structured_output("output_format")
     choice = req.tool_choice.type if req.tool_choice else "auto"
-    if choice not in ("auto", "none"):
-        raise CaptureError(400, "only tool_choice 'auto' or 'none' is supported", "tool_choice")
+    refuse_tool_choice(choice)
     chat = ChatRequest(
         messages=to_template(req.system, req.messages),
         tools=convert_tools(req.tools),
@@ -114,15 +115,13 @@ def parse_request(raw: bytes) -> tuple[MessagesRequest, ChatRequest]:
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),
         parse_tools=choice != "none",
+        param_names={"stop": "stop_sequences"},
     )
     return req, chat
 
 
 def parse_count_request(raw: bytes) -> ChatRequest:
-    try:
-        req = CountTokensRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = parse(CountTokensRequest, raw)
     return ChatRequest(
         messages=to_template(req.system, req.messages), tools=convert_tools(req.tools)
     )
@@ -131,7 +130,8 @@ def parse_count_request(raw: bytes) -> ChatRequest:
 def convert_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """Anthropic's `input_schema` is the JSON schema OpenAI calls `parameters`."""
     out = []
-    for t in tools or []:
+    for i, t in enumerate(tools or []):
+        tool_schema(t.input_schema, f"tools.{i}.input_schema")
         fn: dict[str, Any] = {"name": t.name}
         if t.description is not None:
             fn["description"] = t.description
@@ -144,13 +144,14 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def to_template(
-    system: str | list[TextBlock] | None, messages: list[Message]
-) -> list[dict[str, Any]]:
+def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    origin: list[str] = []  # each template message's field, for the tool-result check
     if system:
         out.append({"role": "system", "content": _text(system)})
-    for i, m in enumerate(messages):
+        origin.append("system")
+    for i, raw in enumerate(messages):
+        m = parse(Message, raw, f"messages.{i}")
         blocks = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )
@@ -161,6 +162,7 @@ def to_template(
                     out.append(
                         {"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id}
                     )
+                    origin.append(f"messages.{i}.content.{j}.tool_use_id")
                 elif isinstance(b, TextBlock):
                     texts.append(b.text)
                 else:
@@ -170,6 +172,7 @@ def to_template(
                     )
             if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": "".join(texts)})
+                origin.append(f"messages.{i}")
             continue
         msg: dict[str, Any] = {"role": "assistant", "content": ""}
         calls = []
@@ -179,7 +182,7 @@ def to_template(
             elif isinstance(b, ThinkingBlock):
                 msg["reasoning_content"] = b.thinking
             elif isinstance(b, ToolUseBlock):
-                calls.append(tool_call_message(b.name, b.input))
+                calls.append(tool_call_message(b.name, b.input, b.id))
             elif isinstance(b, ToolResultBlock):
                 where = f"messages.{i}.content.{j}"
                 raise CaptureError(
@@ -188,6 +191,8 @@ def to_template(
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
+        origin.append(f"messages.{i}")
+    check_tool_results(out, origin)
     return out
 
 
@@ -285,6 +290,11 @@ def stream(result: TurnResult, model: str) -> Iterator[str]:
 
 
 def error_body(e: CaptureError) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+    }
     kind = kinds.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}

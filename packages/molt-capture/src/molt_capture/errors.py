@@ -1,4 +1,4 @@
-"""The one error type the server raises for anything a client should see as an HTTP status."""
+"""Errors a client should see as an HTTP status, and the one a generator raises to refuse."""
 
 
 class CaptureError(Exception):
@@ -9,3 +9,15 @@ class CaptureError(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+class ParamRejected(Exception):
+    """Raised by a generator when the engine refuses a request parameter (a stop string it
+    cannot handle, a temperature out of its range): the client's fault, so the client gets a
+    400 naming the parameter in its wire's terms, not a 5xx its SDK would retry.
+    `param` is the `SamplingParams` field ("stop", "temperature", "top_p", "max_tokens")."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message

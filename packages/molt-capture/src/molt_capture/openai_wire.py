@@ -12,15 +12,21 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from .errors import CaptureError
 from .render import Reply, tool_call_message
 from .session import ChatRequest, TurnResult
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+from .wire import (
+    SamplingExtras,
+    arguments,
+    check_tool_results,
+    parse,
+    refuse_structured_output,
+    refuse_tool_choice,
+    tool_schema,
+)
+from .wire import WireModel as _Model
 
 
 class TextPart(_Model):
@@ -63,8 +69,10 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class CompletionRequest(_Model):
-    messages: list[Message] = Field(min_length=1)
+class CompletionRequest(SamplingExtras):
+    # Each message is validated on its own (in `parse_request`): the validator holds the GIL,
+    # and one call over 100k messages would hold the event loop as long.
+    messages: list[Any] = Field(min_length=1)
     model: str | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -76,44 +84,36 @@ class CompletionRequest(_Model):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
 
 
-def validation_error(e: ValidationError) -> CaptureError:
-    """400 naming the first offending field, in dotted form (`messages.0.role`)."""
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    return CaptureError(400, f"invalid request field '{where}': {err['msg']}", where)
-
-
 def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
-    try:
-        req = CompletionRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = parse(CompletionRequest, raw)
     if req.n not in (None, 1):
         raise CaptureError(400, "n > 1 is not supported: the framework owns the group size", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise CaptureError(400, f"{name} is not supported: it changes sampled log-probs", name)
+    req.refuse_sampling_extras()
     if req.response_format and req.response_format.get("type") != "text":
-        raise CaptureError(
-            400, "structured output (response_format) is not supported", "response_format"
-        )
-    if req.tool_choice not in (None, "auto", "none"):
-        raise CaptureError(400, "only tool_choice 'auto' or 'none' is supported", "tool_choice")
+        raise refuse_structured_output("response_format")
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    refuse_tool_choice(choice if isinstance(choice, str) else "named")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    for i, t in enumerate(req.tools or []):
+        tool_schema(t.function.parameters, f"tools.{i}.function.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+    messages = [
+        _to_template(parse(Message, m, f"messages.{i}"), i) for i, m in enumerate(req.messages)
+    ]
+    check_tool_results(messages, [f"messages.{i}.tool_call_id" for i in range(len(messages))])
+    max_tokens = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     chat = ChatRequest(
-        messages=[_to_template(m, i) for i, m in enumerate(req.messages)],
+        messages=messages,
         tools=tools,
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_completion_tokens or req.max_tokens,
         stop=stop,
-        parse_tools=req.tool_choice != "none",
+        parse_tools=choice != "none",
+        param_names={"max_tokens": max_tokens},
     )
     return req, chat
 
@@ -143,14 +143,10 @@ def _to_template(m: Message, i: int) -> dict[str, Any]:
             msg["reasoning_content"] = m.reasoning_content or m.reasoning
         calls = []
         for j, tc in enumerate(m.tool_calls or []):
-            try:
-                args = json.loads(tc.function.arguments)
-            except json.JSONDecodeError:
-                args = None
-            if not isinstance(args, dict):
-                where = f"messages.{i}.tool_calls.{j}.function.arguments"
-                raise CaptureError(400, f"{where} must be a JSON object string", where)
-            calls.append(tool_call_message(tc.function.name, args))
+            args = arguments(
+                tc.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+            )
+            calls.append(tool_call_message(tc.function.name, args, tc.id))
         if calls:
             msg["tool_calls"] = calls
     return msg

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers.utils.chat_parsing import parse_response
+from transformers.utils.chat_parsing import ResponseParser
 
 from .errors import CaptureError
 
@@ -65,7 +65,9 @@ RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
     },
 }
 PARSERS = [*RESPONSE_TEMPLATES, "tokenizer"]  # "tokenizer": the model's own response_template
-_SENTINEL = "MOLT_REPLY_SENTINEL"
+# Marks where a probe reply's content sits in a render; random, so no client text can forge it.
+_SENTINEL = f"MOLT{secrets.token_hex(8)}"
+_REASONING_FIELDS = ("reasoning_content", "thinking")  # ours, and other response templates'
 
 
 @dataclass
@@ -88,7 +90,9 @@ class Reply:
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
         if self.tool_calls:
-            msg["tool_calls"] = [tool_call_message(tc.name, tc.arguments) for tc in self.tool_calls]
+            msg["tool_calls"] = [
+                tool_call_message(tc.name, tc.arguments, tc.id) for tc in self.tool_calls
+            ]
         return msg
 
     def matches(self, msg: dict[str, Any]) -> bool:
@@ -103,8 +107,21 @@ class Reply:
         )
 
 
-def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_call_message(name: str, arguments: dict[str, Any], call_id: str | None) -> dict[str, Any]:
+    """A tool call in template form. The id (as vLLM passes it) reaches templates that render
+    ids and lets the wires check tool results against calls."""
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id, **call} if call_id is not None else call
+
+
+def _json_object(args: Any) -> bool:
+    """A dict that strict JSON can carry: NaN or Infinity (which Python's parser accepts)
+    would make the reply invalid JSON for the client."""
+    try:
+        json.dumps(args, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return isinstance(args, dict)
 
 
 class ChatRenderer:
@@ -140,8 +157,35 @@ class ChatRenderer:
                 400, f"the chat template rejected the messages: {e}", "messages"
             ) from e
 
+    def render_delta(
+        self, reply: dict[str, Any], messages: list[dict], tools: list[dict] | None
+    ) -> tuple[str, str] | None:
+        """The template's text for `messages` after the assistant message `reply`, generation
+        prompt included: the new part of a turn whose history is already in the trace as
+        tokens. Rendered after a stand-in history so earlier turns (which templates re-render
+        differently: reasoning dropped, arguments re-serialised) never enter it. Returns the
+        delta and the stand-in render (which ends as the real prompt does), or None when the
+        template renders the reply's end differently once messages follow it."""
+        probe = {**reply, "content": _SENTINEL}
+        base = [{"role": "user", "content": "x"}, probe]
+        try:
+            before = self.render(base, tools, add_generation_prompt=False)
+            after = self.render([*base, *messages], tools, add_generation_prompt=True)
+        except CaptureError:
+            return None
+        if _SENTINEL not in before or _SENTINEL not in after:
+            return None
+        end = before[before.index(_SENTINEL) + len(_SENTINEL) :]  # tool calls, closing
+        tail = after[after.index(_SENTINEL) + len(_SENTINEL) :]
+        return (tail[len(end) :], after) if tail.startswith(end) else None
+
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The batch call releases the GIL (plain encode holds it), so a large prompt being
+        # tokenized on a worker thread does not stall the event loop.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -176,26 +220,38 @@ class ChatRenderer:
         if not parse_tools:  # tool_choice "none": the generated text is the answer, markup and all
             return Reply(content=self._strip_special(text))
         try:
-            msg = parse_response(text, self.response_template, prefix=prompt_text, tools=tools)
-        except (ValueError, KeyError):
+            parser = ResponseParser(self.response_template, prefix=prompt_text, tools=tools)
+            events = parser.initial_events + parser.feed(text)
+            msg, final = parser.finalize()
+        except Exception:  # any parser failure: the output is the model's, never a server error
             # Malformed markup (e.g. broken JSON in a tool call) is the model's answer: return it
             # as text; the trace still holds exactly what was generated.
             return Reply(content=self._strip_special(text))
         calls = []
         for raw in msg.get("tool_calls") or []:
             fn = raw.get("function") if isinstance(raw, dict) else None
-            args = fn.get("arguments") if isinstance(fn, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            args = fn.get("arguments")
             if isinstance(args, str):
                 try:
                     args = json.loads(args)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     args = None
-            if not isinstance(fn.get("name") if fn else None, str) or not isinstance(args, dict):
+            if not isinstance(fn.get("name"), str) or not _json_object(args):
                 return Reply(content=self._strip_special(text))  # not a usable call: text
             calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args))
-        # Response templates name the reasoning region `reasoning_content` (ours) or `thinking`.
-        reasoning = msg.get("reasoning_content") or msg.get("thinking") or None
-        return Reply(content=msg.get("content") or "", reasoning=reasoning, tool_calls=calls)
+        # Every region's text, not the parser's last one: a stray special token or a second
+        # reasoning block starts a new region, and the text before it must reach the agent too.
+        closed: dict[str, list[str]] = {}
+        for event in [*events, *final]:
+            if event["type"] == "region_close" and isinstance(event.get("value"), str):
+                closed.setdefault(event["field"], []).append(event["value"])
+        content = self._join(closed.get("content", []))
+        reasoning = self._join([t for f in _REASONING_FIELDS for t in closed.get(f, [])])
+        return Reply(content=content, reasoning=reasoning or None, tool_calls=calls)
+
+    def _join(self, texts: list[str]) -> str:
+        return "\n\n".join(t for t in map(self._strip_special, texts) if t)
 
     def _strip_special(self, text: str) -> str:
         for tok in self.tokenizer.all_special_tokens:

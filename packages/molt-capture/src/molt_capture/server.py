@@ -1,9 +1,10 @@
-"""The capture server: FastAPI routes for both wires, the session registry, and an in-process
+"""The capture server: FastAPI routes for every wire, the session registry, and an in-process
 uvicorn on a background thread with an ephemeral port (one per agent-runner process).
 
 Every session lives under `/s/{session_id}`; that prefix is the SDK `base_url`. The OpenAI SDK
-appends `/chat/completions` and the Anthropic SDK `/v1/messages`, so both are served there
-(and `/v1/chat/completions` for clients given the conventional `.../v1` base).
+appends `/chat/completions` or `/responses` and the Anthropic SDK `/v1/messages`, so all are
+served there (and under `/v1/...` for clients given the conventional `.../v1` base).
+Every error, unknown routes and methods included, is in the wire's own error shape.
 """
 
 from __future__ import annotations
@@ -17,19 +18,24 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from . import anthropic_wire, openai_wire
+from . import anthropic_wire, openai_wire, responses_wire
 from .errors import CaptureError
 from .render import ChatRenderer
 from .session import Generator, Session, SessionConfig
 from .types import Segment
 
 log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's documented limit for a Messages request
+WORKER_THREADS = 32
 
 
 def _is_loopback(host: str) -> bool:
@@ -47,7 +53,7 @@ class CaptureServer:
     `generator` is the token-level engine call (token ids, sampling params, session id) ->
     `Generation`. `parser` names the reply markup family (see `render.RESPONSE_TEMPLATES`).
     `api_key`, when set, must be sent as `Authorization: Bearer ...` or `x-api-key`; it is
-    required when binding beyond loopback.
+    required when binding beyond loopback. A request body over `max_request_bytes` gets 413.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class CaptureServer:
         api_key: str | None = None,
         generator_timeout_s: float | None = 600.0,
         strict_temperature: bool = False,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ):
         if not _is_loopback(host) and not api_key:
             raise ValueError(f"binding {host} (beyond loopback) requires an api_key")
@@ -73,6 +80,7 @@ class CaptureServer:
         self.api_key = api_key
         self.generator_timeout_s = generator_timeout_s
         self.strict_temperature = strict_temperature
+        self.max_request_bytes = max_request_bytes
         self.sessions: dict[str, Session] = {}
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
@@ -110,6 +118,7 @@ class CaptureServer:
         in order. Called from another thread while serving, it first waits for a turn still in
         flight to commit, so no generated turn is lost or read half-written."""
         session = self.sessions.pop(session_id)
+        session.closed = True
         loop = self._loop
         if loop is None or not loop.is_running() or threading.current_thread() is self._thread:
             return session.segments()
@@ -147,8 +156,14 @@ class CaptureServer:
     def _serve(self) -> None:
         # Our own loop (rather than uvicorn's run) so close_session can schedule onto it.
         self._loop = asyncio.new_event_loop()
+        # Parsing, rendering and tokenizing run on this pool (asyncio.to_thread): wide, so a
+        # few huge requests cannot take every worker from the small ones (the default pool
+        # has cores + 4).
+        workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="molt-capture-work")
+        self._loop.set_default_executor(workers)
         with contextlib.suppress(SystemExit):  # uvicorn exits if it cannot bind; start() says so
             self._loop.run_until_complete(self._server.serve())
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
         self._loop.close()
 
     def stop(self) -> None:
@@ -173,31 +188,33 @@ class CaptureServer:
         async def health() -> dict[str, Any]:
             return {"status": "ok", "sessions": len(self.sessions)}
 
-        async def chat(session_id: str, request: Request):
-            return await self._handle(
-                session_id, request, self._openai_turn, openai_wire.error_body
-            )
+        def route(turn: Callable, error_body: Callable) -> Callable:
+            async def endpoint(session_id: str, request: Request):
+                return await self._handle(session_id, request, turn, error_body)
 
-        async def messages(session_id: str, request: Request):
-            return await self._handle(
-                session_id, request, self._anthropic_turn, anthropic_wire.error_body
-            )
+            return endpoint
 
-        async def count_tokens(session_id: str, request: Request):
-            return await self._handle(
-                session_id, request, self._count_tokens, anthropic_wire.error_body
-            )
-
-        async def models(session_id: str, request: Request):
-            return await self._handle(session_id, request, self._models, openai_wire.error_body)
-
+        chat = route(self._openai_turn, openai_wire.error_body)
+        responses = route(self._responses_turn, openai_wire.error_body)
+        models = route(self._models, openai_wire.error_body)
         for prefix in ("/s/{session_id}", "/s/{session_id}/v1"):
             app.add_api_route(prefix + "/chat/completions", chat, methods=["POST"])
+            app.add_api_route(prefix + "/responses", responses, methods=["POST"])
             app.add_api_route(prefix + "/models", models, methods=["GET"])
+        messages = route(self._anthropic_turn, anthropic_wire.error_body)
+        count = route(self._count_tokens, anthropic_wire.error_body)
         app.add_api_route("/s/{session_id}/v1/messages", messages, methods=["POST"])
-        app.add_api_route(
-            "/s/{session_id}/v1/messages/count_tokens", count_tokens, methods=["POST"]
-        )
+        app.add_api_route("/s/{session_id}/v1/messages/count_tokens", count, methods=["POST"])
+
+        @app.exception_handler(HTTPException)
+        async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+            # Unknown routes and methods: the Anthropic SDK always sends anthropic-version.
+            anthropic = "anthropic-version" in request.headers or "/messages" in request.url.path
+            error_body = anthropic_wire.error_body if anthropic else openai_wire.error_body
+            what = "method not allowed" if exc.status_code == 405 else "no such route"
+            err = CaptureError(exc.status_code, f"{what}: {request.method} {request.url.path}")
+            return JSONResponse(error_body(err), status_code=exc.status_code)
+
         return app
 
     async def _handle(
@@ -209,14 +226,28 @@ class CaptureServer:
             session = self.sessions.get(session_id)
             if session is None:
                 raise CaptureError(404, "unknown session (closed, or never opened)")
-            raw = await request.body()
-            return await turn(session, raw)
+            return await turn(session, await self._body(request))
         except CaptureError as e:
             return JSONResponse(error_body(e), status_code=e.status)
         except Exception as e:  # a bug, not the client's fault: say so without a traceback
             log.exception("capture server error")
             err = CaptureError(500, f"internal error: {type(e).__name__}")
             return JSONResponse(error_body(err), status_code=500)
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit."""
+        limit = self.max_request_bytes
+        too_large = CaptureError(413, f"request body exceeds {limit} bytes (max_request_bytes)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check_auth(self, request: Request) -> None:
         if not self.api_key:
@@ -234,24 +265,38 @@ class CaptureServer:
         )
 
     async def _openai_turn(self, session: Session, raw: bytes):
-        req, chat = openai_wire.parse_request(raw)
+        # Parsing (like rendering) runs on a worker thread: a large body must not hold the loop.
+        req, chat = await asyncio.to_thread(openai_wire.parse_request, raw)
         result = await self._run(session, chat, raw)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(openai_wire.stream(result, self.model_name, usage))
         return JSONResponse(openai_wire.completion(result, self.model_name))
 
+    async def _responses_turn(self, session: Session, raw: bytes):
+        parsed = await asyncio.to_thread(responses_wire.parse_request, raw, session.responses)
+        result = await self._run(session, parsed.chat, raw)
+        resp = responses_wire.response(parsed, result, self.model_name)
+        # What a follow-up naming this response continues from (instructions are not carried).
+        session.responses[resp["id"]] = [*parsed.conversation, result.reply.as_message()]
+        if parsed.request.stream:
+            return _sse(responses_wire.stream(resp))
+        return JSONResponse(resp)
+
     async def _anthropic_turn(self, session: Session, raw: bytes):
-        req, chat = anthropic_wire.parse_request(raw)
+        req, chat = await asyncio.to_thread(anthropic_wire.parse_request, raw)
         result = await self._run(session, chat, raw)
         if req.stream:
             return _sse(anthropic_wire.stream(result, self.model_name))
         return JSONResponse(anthropic_wire.message(result, self.model_name))
 
     async def _count_tokens(self, session: Session, raw: bytes):
-        chat = anthropic_wire.parse_count_request(raw)
-        text = self.renderer.render(chat.messages, chat.tools, add_generation_prompt=True)
-        return JSONResponse({"input_tokens": len(self.renderer.encode(text))})
+        def count() -> int:
+            chat = anthropic_wire.parse_count_request(raw)
+            text = self.renderer.render(chat.messages, chat.tools, add_generation_prompt=True)
+            return len(self.renderer.encode(text))
+
+        return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
 
     async def _models(self, session: Session, raw: bytes):
         return JSONResponse(openai_wire.models(self.model_name))

@@ -1,11 +1,14 @@
 """One agent episode's token-exact trace: plan a turn, generate, commit, segment.
 
-The engine is always fed the segment's exact token ids. A turn that extends the conversation
-appends only the *delta*: the text between the template's render of the history (ending with
-the previous reply) and its render of the new request, tokenized on its own. Generated tokens
-are stored as sampled and never re-tokenized. When the request is not such an extension
-(compaction, rewritten history, a template that drops earlier reasoning, changed tools or
-sampling temperature), the segment is sealed and a new one starts from a full render.
+The engine is always fed the segment's exact token ids. History comes from recorded tokens: a
+turn whose messages are the previous turn's messages, then our reply, then new ones appends
+only the new messages' render (`ChatRenderer.render_delta`), tokenized on its own; earlier
+turns are never re-rendered, so a template that renders them differently from how they were
+generated (reasoning dropped, arguments re-serialised) cannot split the episode. Generated
+tokens are stored as sampled and never re-tokenized. When the request is not such an extension
+(compaction, edited history, changed tools or sampling), the segment is sealed and a new one
+starts from a full render. Rendering, tokenizing and parsing run on a worker thread, so one
+large request does not hold up the event loop every session shares.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CaptureError
+from .errors import CaptureError, ParamRejected
 from .render import ChatRenderer, Reply
 from .types import Generation, SamplingParams, Segment
 
@@ -25,7 +28,7 @@ Generator = Callable[[list[int], SamplingParams, str], Awaitable[Generation]]
 
 @dataclass
 class ChatRequest:
-    """A turn as both wires describe it, in chat-template form."""
+    """A turn as every wire describes it, in chat-template form."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -34,6 +37,9 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     parse_tools: bool = True  # False for tool_choice "none"
+    # The wire's name for each SamplingParams field, so an engine refusal names the field the
+    # client sent (e.g. "stop" -> "stop_sequences").
+    param_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,7 +68,7 @@ class _Plan:
     extend: bool  # append to the open segment; otherwise seal it and start a new one
     context_ids: list[int]  # tokens to append before generating
     prompt_ids: list[int]  # exactly what the engine sees
-    prompt_text: str
+    prompt_text: str  # a render ending as the engine's prompt does (for the reply parser)
     params: SamplingParams
     room: int  # tokens left in the context
 
@@ -74,13 +80,14 @@ class Session:
         self.row = row  # the dataset row the runner opened the session for
         self.base_url = ""  # set by the server: what the agent's SDK client is given
         self.lock = asyncio.Lock()  # one turn at a time per session
+        self.closed = False  # set by the server's close_session: later turns get 404
         self.sealed: list[Segment] = []
         self.current: Segment | None = None
-        # What the open segment's history is, in template terms, for the extension check.
-        self._prompt_text = ""
-        self._n_messages = 0
-        self._last_reply: Reply | None = None
+        # The open segment's conversation: the client's messages, and our replies as `Reply`
+        # (a client's echo of a reply may drop reasoning or re-serialise arguments).
+        self._history: list[dict | Reply] = []
         self._tools: list[dict] | None = None
+        self.responses: dict[str, list[dict]] = {}  # Responses API: id -> its conversation
         self._last_key: bytes | None = None
         self._last_result: TurnResult | None = None
 
@@ -98,26 +105,41 @@ class Session:
         timeout_s: float | None,
     ) -> TurnResult:
         async with self.lock:
-            key = hashlib.sha256(raw).digest()
+            if self.closed:  # closed while this request was being read or parsed
+                raise CaptureError(404, "unknown session (closed, or never opened)")
+            key = await asyncio.to_thread(lambda: hashlib.sha256(raw).digest())
             if key == self._last_key and self._last_result is not None:
                 return self._last_result  # a client retry: answer again, record nothing
-            plan = self._plan(request, renderer)
+            plan = await asyncio.to_thread(self._plan, request, renderer)
             if plan.room <= 0:
                 result = self._commit_full(plan)
             else:
-                try:
-                    gen = await asyncio.wait_for(
-                        generate(plan.prompt_ids, plan.params, self.id), timeout_s
-                    )
-                except asyncio.TimeoutError as e:  # noqa: UP041 (differs on Python 3.10)
-                    raise CaptureError(504, f"generator timed out after {timeout_s} s") from e
-                except CaptureError:
-                    raise
-                except Exception as e:
-                    raise CaptureError(502, f"generator failed: {type(e).__name__}: {e}") from e
-                result = self._commit(plan, request, gen, renderer)
+                gen = await self._generate(plan, request, generate, timeout_s)
+                reply = await asyncio.to_thread(self._parse, plan, request, gen, renderer)
+                result = self._commit(plan, request, gen, reply, renderer)
             self._last_key, self._last_result = key, result
             return result
+
+    async def _generate(
+        self, plan: _Plan, req: ChatRequest, generate: Generator, timeout_s: float | None
+    ) -> Generation:
+        try:
+            gen = await asyncio.wait_for(generate(plan.prompt_ids, plan.params, self.id), timeout_s)
+        except asyncio.TimeoutError as e:  # noqa: UP041 (differs on Python 3.10)
+            raise CaptureError(504, f"generator timed out after {timeout_s} s") from e
+        except ParamRejected as e:
+            param = req.param_names.get(e.param, e.param)
+            raise CaptureError(400, f"the engine refused {param}: {e.message}", param) from e
+        except CaptureError:
+            raise
+        except Exception as e:
+            raise CaptureError(502, f"generator failed: {type(e).__name__}: {e}") from e
+        if len(gen.token_ids) > plan.params.max_tokens:
+            raise CaptureError(
+                502,
+                f"generator returned {len(gen.token_ids)} tokens for max_tokens={plan.params.max_tokens}",
+            )
+        return gen
 
     def _plan(self, req: ChatRequest, renderer: ChatRenderer) -> _Plan:
         """Work out the turn without changing any state, so a failure leaves none behind."""
@@ -131,35 +153,36 @@ class Session:
                 f"{cfg.temperature}; this run refuses it (strict_temperature)",
                 "temperature",
             )
-        text = renderer.render(req.messages, req.tools, add_generation_prompt=True)
-        delta = self._delta(req, renderer, text)
         cur = self.current
-        extend = (
-            delta is not None
-            and cur is not None
-            and (cur.temperature, cur.top_p) == (temperature, top_p)
-        )
-        context_ids = renderer.encode(delta if extend else text)
-        prompt_ids = (cur.token_ids if extend else []) + context_ids
+        # A segment has one sampling setting, so the trainer recomputes log-probs rightly.
+        same_sampling = cur is not None and (cur.temperature, cur.top_p) == (temperature, top_p)
+        delta = self._delta(req, renderer) if same_sampling else None
+        if cur is not None and delta is not None:
+            context_ids, prompt_text = renderer.encode(delta[0]), delta[1]
+            prompt_ids, routing_start = cur.token_ids + context_ids, cur.routing_known
+        else:
+            prompt_text = renderer.render(req.messages, req.tools, add_generation_prompt=True)
+            context_ids = prompt_ids = renderer.encode(prompt_text)
+            routing_start = 0
         room = cfg.max_len - len(prompt_ids)
         want = req.max_tokens or cfg.max_tokens or room
-        routing_start = cur.routing_known if extend and cur is not None else 0
         params = SamplingParams(
             max(0, min(want, room)), temperature, top_p, list(req.stop), routing_start
         )
-        return _Plan(extend, context_ids, prompt_ids, text, params, room)
+        return _Plan(delta is not None, context_ids, prompt_ids, prompt_text, params, room)
 
-    def _delta(self, req: ChatRequest, renderer: ChatRenderer, text: str) -> str | None:
-        """The new request's text beyond the history it extends, or None if it does not."""
-        k, reply = self._n_messages, self._last_reply
-        if reply is None or len(req.messages) <= k + 1 or req.tools != self._tools:
+    def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:
+        """For a request that extends the open segment's conversation: the new messages' text
+        and the render it ends (for the reply parser); None for anything else."""
+        history, k = self._history, len(self._history)
+        if not history or len(req.messages) <= k or req.tools != self._tools:
             return None
-        if not reply.matches(req.messages[k]):
-            return None  # the client changed our reply: history was rewritten
-        history = renderer.render(req.messages[: k + 1], req.tools, add_generation_prompt=False)
-        if not history.startswith(self._prompt_text) or not text.startswith(history):
-            return None  # an earlier turn renders differently now (compaction, dropped reasoning)
-        return text[len(history) :]
+        for old, msg in zip(history, req.messages, strict=False):
+            if not (old.matches(msg) if isinstance(old, Reply) else old == msg):
+                return None  # history was rewritten (compaction, an edited message)
+        reply = history[-1]
+        assert isinstance(reply, Reply)
+        return renderer.render_delta(reply.as_message(), req.messages[k:], req.tools)
 
     def _open_segment(self, plan: _Plan) -> Segment:
         if not plan.extend:
@@ -176,18 +199,15 @@ class Session:
             self.current.truncated = True
         return TurnResult(Reply(content=""), "length", None, len(plan.prompt_ids), 0)
 
+    @staticmethod
+    def _parse(plan: _Plan, req: ChatRequest, gen: Generation, renderer: ChatRenderer) -> Reply:
+        stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
+        return renderer.parse(gen.token_ids, plan.prompt_text, req.tools, stop, req.parse_tools)
+
     def _commit(
-        self, plan: _Plan, req: ChatRequest, gen: Generation, renderer: ChatRenderer
+        self, plan: _Plan, req: ChatRequest, gen: Generation, reply: Reply, renderer: ChatRenderer
     ) -> TurnResult:
-        if len(gen.token_ids) > plan.params.max_tokens:
-            raise CaptureError(
-                502,
-                f"generator returned {len(gen.token_ids)} tokens for max_tokens={plan.params.max_tokens}",
-            )
         stop_string = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        reply = renderer.parse(
-            gen.token_ids, plan.prompt_text, req.tools, stop_string, req.parse_tools
-        )
         seg = self._open_segment(plan)
         seg.append_generation(gen, plan.params.max_tokens)
         closing = renderer.missing_closing(gen.token_ids)
@@ -198,8 +218,9 @@ class Session:
             seg.append_context(closing)
         else:
             seg.truncated = True
-        self._prompt_text, self._n_messages = plan.prompt_text, len(req.messages)
-        self._last_reply, self._tools = reply, req.tools
+        earlier = self._history if plan.extend else []
+        self._history = [*earlier, *req.messages[len(earlier) :], reply]
+        self._tools = req.tools
         if gen.finish_reason == "length":
             finish = "length"
         else:

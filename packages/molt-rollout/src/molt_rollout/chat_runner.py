@@ -69,6 +69,7 @@ class ChatRunner:
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 model_name=cfg.model_name,
                 generator_timeout_s=cfg.generator_timeout_s,
+                max_request_bytes=cfg.max_request_bytes,
             ).start()
         return self._server
 
@@ -152,8 +153,8 @@ class ChatRunner:
             tools=canonical_tools(row.get("tools")),
             label=row.get("label"),
             row=row,
-            # The OpenAI SDK appends /chat/completions, the Anthropic SDK /v1/messages: the
-            # server serves both under the session URL.
+            # The OpenAI SDK appends /chat/completions or /responses, the Anthropic SDK
+            # /v1/messages: the server serves all three under the session URL.
             base_url=session.base_url,
             anthropic_base_url=session.base_url,
             model=cfg.model_name,

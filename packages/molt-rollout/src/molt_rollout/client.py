@@ -16,10 +16,12 @@ reports a newer version than the salt, and the request is sent again with the ne
 import asyncio
 import base64
 import io
+import re
 
 import httpx
 import numpy as np
 
+from molt_capture.errors import ParamRejected
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.router import SESSION_HEADER
 
@@ -30,6 +32,32 @@ INITIAL_VERSION = "default"  # what vLLM reports before any refit: Molt's versio
 
 class GenerationError(RuntimeError):
     """A generate call failed for good: a 4xx, a malformed reply, or retries exhausted."""
+
+
+class EngineRefusal(GenerationError, ParamRejected):
+    """The engine refused a sampling parameter (4xx naming it): the capture server answers
+    the agent 400 naming the field, not a 5xx its SDK would retry."""
+
+    def __init__(self, param: str, message: str):
+        GenerationError.__init__(self, message)
+        self.param, self.message = param, message
+
+
+_SAMPLING_FIELDS = ("stop", "temperature", "top_p", "max_tokens")
+
+
+def refused_param(response: httpx.Response) -> str | None:
+    """The sampling parameter a 4xx names: vLLM's `param`, else one named in its message."""
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        param, message = error.get("param"), str(error.get("message", ""))
+    except (ValueError, AttributeError):
+        param, message = None, response.text
+    if param in _SAMPLING_FIELDS:
+        return param
+    named = re.search(r"\b(" + "|".join(_SAMPLING_FIELDS) + r")\b", message)
+    return named.group(1) if named else None
 
 
 def weight_version_number(version: str) -> int:
@@ -154,9 +182,11 @@ class TokenClient:
                             f"{url} answered non-JSON: {response.text[:200]}"
                         ) from error
                 if response.status_code < 500:
-                    raise GenerationError(
+                    message = (
                         f"engine refused the request ({response.status_code}): {response.text}"
                     )
+                    param = refused_param(response)
+                    raise EngineRefusal(param, message) if param else GenerationError(message)
                 failure = f"engine error {response.status_code}: {response.text[:500]}"
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)

@@ -8,6 +8,8 @@ combination the runners or engines cannot honour. Choices are `Literal`s, which 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from molt_capture.server import MAX_REQUEST_BYTES
+
 # molt_capture.PARSERS, spelled out for the CLI (a test keeps the two equal).
 ParserName = Literal["qwen3", "qwen3_xml", "tokenizer"]
 
@@ -32,6 +34,7 @@ class RolloutConfig:
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     model_name: str = "molt-policy"  # ChatAgent: the model name the capture server answers to
     generator_timeout_s: float | None = 600.0  # ChatAgent: one engine call of the server
+    max_request_bytes: int = MAX_REQUEST_BYTES  # ChatAgent: a larger request body gets 413
     num_runners: int = 2  # agent-runner actors
     cpus_per_runner: float = 0.25  # Ray CPUs per runner actor (they mostly wait)
     max_concurrent_groups: int = 256  # groups one runner actor interleaves on its event loop
@@ -101,7 +104,7 @@ def validate_rollout_config(
 
 def _validate_rollouts(r: RolloutConfig) -> None:
     for name in ("n_samples_per_prompt", "groups_per_batch", "max_len", "max_turns",
-                 "num_runners", "max_concurrent_groups"):  # fmt: skip
+                 "num_runners", "max_concurrent_groups", "max_request_bytes"):  # fmt: skip
         if getattr(r, name) < 1:
             raise ValueError(f"--rollout.{name} must be >= 1, got {getattr(r, name)}")
     for name in ("max_tokens", "max_response_tokens"):
