@@ -93,17 +93,24 @@ def test_rollouts_spanning_versions_are_trained(tmp_path):
 
 
 def start_run(tmp_path, run: Path, flags: list[str]) -> subprocess.Popen:
+    """The CLI in its own process; its output goes to files beside the run (a pipe would stay
+    open while any process of the run lives)."""
     cmd = [sys.executable, "-m", "molt_train.cli", *flags, "--train.output_dir", str(tmp_path),
            "--logger.run_name", run.name]  # fmt: skip
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    with open(f"{run}.out", "w") as out, open(f"{run}.err", "w") as err:
+        return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=err)
 
 
-def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
+def output(run: Path) -> tuple[str, str]:
+    return Path(f"{run}.out").read_text(), Path(f"{run}.err").read_text()
+
+
+def wait_for(run: Path, name: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until the run directory holds `name` (the run must still be going)."""
+    path, deadline = run / name, time.monotonic() + timeout_s
     while not path.exists():
-        assert process.poll() is None, "the run ended first: " + process.stderr.read()[-3000:]
+        assert process.poll() is None, "the run ended first: " + output(run)[1][-3000:]
         assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
         time.sleep(0.5)
 
@@ -138,7 +145,7 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
              "--ckpt.every_steps", "1", "--rollout.groups_per_batch", "4"]  # fmt: skip
     process = start_run(tmp_path, run, flags)
     try:
-        wait_for(run / "checkpoints" / "step_00000003", process)
+        wait_for(run, "checkpoints/step_00000003", process)
         tree, ports = run_processes(process)
         assert any("vllm" in " ".join(p.cmdline()) for p in tree)  # the engine is among them
         process.kill()
@@ -169,10 +176,11 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
     run = tmp_path / sig.name
     process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200"])
     try:
-        wait_for(run / "metrics.jsonl", process)
+        wait_for(run, "metrics.jsonl", process)
         tree, ports = run_processes(process)
         process.send_signal(sig)
-        out, err = process.communicate(timeout=120)
+        process.wait(timeout=120)
+        out, err = output(run)
         assert process.returncode == 128 + sig, err[-3000:]
         assert "Traceback" not in err and f"stopped by {sig.name}" in err, err[-3000:]
         assert "Run outputs:" in out
@@ -190,14 +198,15 @@ def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
     run = tmp_path / "engine_death"
     process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200"])
     try:
-        wait_for(run / "metrics.jsonl", process)
+        wait_for(run, "metrics.jsonl", process)
         tree, ports = run_processes(process)
         (server,) = [
             p for p in tree if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         ]
         t0 = time.monotonic()
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
-        out, err = process.communicate(timeout=120)
+        process.wait(timeout=120)
+        _, err = output(run)
         assert time.monotonic() - t0 < 30
         assert process.returncode == 1, err[-3000:]
         assert "engine failure: engine 0" in err and "last log lines of" in err, err[-3000:]

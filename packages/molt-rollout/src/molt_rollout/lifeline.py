@@ -55,16 +55,22 @@ def _reap(owner: int) -> int:
     import psutil  # only the watcher needs it
 
     known: dict[int, float] = {}  # pid -> start time: a pid reused later is not ours
+    groups: set[int] = set()  # groups led by a descendant (lifelines): their members go too
     while _alive(owner):
         with contextlib.suppress(psutil.Error):
             for p in psutil.Process(owner).children(recursive=True):
-                known.setdefault(p.pid, p.create_time())
+                if p.pid not in known and p.pid != os.getpid():
+                    known[p.pid] = p.create_time()
+                    if os.getpgid(p.pid) == p.pid:
+                        groups.add(p.pid)
         time.sleep(POLL_S)
     time.sleep(ORPHAN_GRACE_S)  # lifelines end their servers first; then whatever is left
+    for pgid in groups:  # also members whose leader is already gone
+        _signal_group(pgid, signal.SIGKILL)
     for pid, started in known.items():
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
-            if p.pid != os.getpid() and p.create_time() == started:
+            if p.create_time() == started:
                 p.kill()
     return 0
 
@@ -75,13 +81,18 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running, and not a zombie (a killed owner stays one until its parent reaps it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:  # alive, under another user
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
 
 
 def main(argv: list[str]) -> int:
