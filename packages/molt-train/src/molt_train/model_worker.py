@@ -34,6 +34,7 @@ from molt_train.actor_config import (
     lr_at,
     router_params,
 )
+from molt_train.attention import DOCUMENT_ATTENTION, document_kwargs, enable_document_attention
 from molt_train.checkpoint import (
     load_sharded,
     rng_state,
@@ -59,6 +60,8 @@ def packed_token_stats(
     """Per-token log-probs of the temperature-scaled distribution (values, for a critic) and
     entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    if model.config._attn_implementation == DOCUMENT_ATTENTION and batch.cu_seqlens is not None:
+        inputs.update(document_kwargs(batch.cu_seqlens, batch.lengths))
     targets = batch.input_ids[:, 1:]
     if critic:
         values = model(**inputs).logits[:, :-1, 0].float()
@@ -237,6 +240,11 @@ class ModelWorker:
             )
         install_replay_hooks(self.routers)
         self.padded = not packs_sequences(self.model)
+        if self.on_gpu and not self.padded and self.role != "critic" and self.fsdp.tp_size == 1:
+            # Packed rows without transformers' dense block mask (molt_train.attention); not yet
+            # measured for the critic's class or under TP. CPU keeps SDPA's mask: the same
+            # results, and the path the document attention is tested against.
+            enable_document_attention(self.model)
         # AutoModel leaves a world of one unsharded, so FSDP's mixed-precision cast never
         # happens there: autocast to the compute dtype instead (fp32 master weights either way).
         unsharded = not fsdp2_sharding_enabled(self.setup_.mesh_context.device_mesh)
