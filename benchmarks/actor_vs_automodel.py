@@ -234,6 +234,9 @@ def register_attention() -> None:
     AttentionInterface.register("molt_flex", flex_attention_16bit)
     AttentionInterface.register("molt_varlen_gqa", varlen_attention_gqa)
     AttentionInterface.register("molt_auto", auto_attention)
+    from molt_train.attention import DOCUMENT_ATTENTION, document_attention  # the real one
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("molt_flex", flex_attention_mask)
 
 
