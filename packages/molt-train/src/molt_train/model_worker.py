@@ -240,10 +240,11 @@ class ModelWorker:
             )
         install_replay_hooks(self.routers)
         self.padded = not packs_sequences(self.model)
-        if self.on_gpu and not self.padded and self.role != "critic" and self.fsdp.tp_size == 1:
-            # Packed rows without transformers' dense block mask (molt_train.attention); not yet
-            # measured for the critic's class or under TP. CPU keeps SDPA's mask: the same
-            # results, and the path the document attention is tested against.
+        packed_gpu = self.on_gpu and not self.padded and compute != torch.float32
+        if packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
+            # Packed rows without transformers' dense block mask (molt_train.attention), whose
+            # fast path needs 16-bit compute; not yet measured for the critic's class or under
+            # TP. CPU keeps SDPA's mask: the same results, and the document path's reference.
             enable_document_attention(self.model)
         # AutoModel leaves a world of one unsharded, so FSDP's mixed-precision cast never
         # happens there: autocast to the compute dtype instead (fp32 master weights either way).
