@@ -30,7 +30,13 @@ that (the dense block mask makes SDPA compute the whole T x T square of a packed
 log-prob backward recomputes the LM-head matmul) is not counted.
 
 Variants of the RL step (each a patch inside this file, never in packages/):
-  rl                   ModelWorker.train_step as it is
+  rl                   ModelWorker.train_step as it is. Since the levers went into packages/
+                       (docs/benchmarks.md, "after the levers") it has the compute-dtype
+                       log-prob backward, aligned slices, no entropy gradient at coefficient 0
+                       and molt_train.attention's document attention, so the patches below
+                       that re-apply a lever change nothing more
+  rl+sdpa              the same with transformers' SDPA and dense block mask (the attention
+                       lever alone undone); rl+noent: no entropy computed at coefficient 0
   rl+bf16head          hidden states and LM-head weight cast to the compute dtype before the
                        chunked log-prob function, so its backward matmuls run in bf16 (today
                        they run in fp32: autocast does not reach a custom Function's backward)
@@ -228,6 +234,9 @@ def register_attention() -> None:
     AttentionInterface.register("molt_flex", flex_attention_16bit)
     AttentionInterface.register("molt_varlen_gqa", varlen_attention_gqa)
     AttentionInterface.register("molt_auto", auto_attention)
+    from molt_train.attention import DOCUMENT_ATTENTION, document_attention  # the real one
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("molt_flex", flex_attention_mask)
 
 
@@ -329,15 +338,21 @@ class Bare:
 
 
 def rl_algo(entropy_coef: float = 0.0):
-    """The run config's loss settings as the loop passes them: PPO, token-mean."""
-    from molt_train.config import AlgoConfig
+    """The run config's loss settings as the loop passes them: PPO, token-mean. The fields
+    train_step reads, without molt_train.config: it imports molt_rollout, whose capture server
+    needs uvicorn and fastapi, which the GPU kit's `train` set does not carry."""
+    from types import SimpleNamespace
 
-    return AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
+    from molt_algos import KLConfig, LossConfig
+
+    return SimpleNamespace(policy_loss="ppo", loss=LossConfig(), aggregation="token-mean",
+                           kl=KLConfig(), entropy_coef=entropy_coef)  # fmt: skip
 
 
 @contextlib.contextmanager
-def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa", align=False):
-    """Levers on the worker, as patches of molt_train.model_worker's globals (restored after)."""
+def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False):
+    """Levers on the worker, as patches of molt_train.model_worker's globals (restored after).
+    attn=None keeps the worker's own attention (molt_documents on GPU since the levers)."""
     import molt_train.model_worker as wm
 
     orig_lp, orig_pack = wm.token_logprobs_and_entropy, wm.pack
@@ -362,16 +377,21 @@ def rl_patch(worker, bf16_head=False, skip_entropy=False, attn="sdpa", align=Fal
         return batch
 
     wm.token_logprobs_and_entropy, wm.pack = logprobs, pack
-    set_attn(worker.model, attn)
+    own_attn = worker.model.config._attn_implementation
+    set_attn(worker.model, attn or own_attn)
     try:
         yield
     finally:
         wm.token_logprobs_and_entropy, wm.pack = orig_lp, orig_pack
-        set_attn(worker.model, "sdpa")
+        set_attn(worker.model, own_attn)
 
 
 RL_VARIANTS = {
     "rl": {},
+    # after the levers: the real code with transformers' SDPA and dense block mask instead of
+    # molt_train.attention (levers 1, 3, 4, 5 alone), and without the entropy's forward
+    "rl+sdpa": dict(attn="sdpa"),
+    "rl+noent": dict(skip_entropy=True),
     "rl+bf16head": dict(bf16_head=True),
     "rl+varlen": dict(attn="molt_varlen"),
     "rl+both": dict(bf16_head=True, attn="molt_varlen"),
@@ -565,7 +585,7 @@ def correctness(args, ctx) -> None:
     vocab = worker.model.config.vocab_size
     check = random_samples(vocab, 4, 300, seed=1)
     out = {}
-    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto"):
+    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto", "molt_documents"):
         with rl_patch(worker, attn=attn):
             packed = worker.forward_logprobs([check])[0]
             alone = [worker.forward_logprobs([[s]])[0][0] for s in check]
@@ -578,11 +598,11 @@ def correctness(args, ctx) -> None:
         for p, q in zip(out["packed_sdpa"], out["packed_molt_varlen"], strict=True)
         for a, b in zip(p, q, strict=True)
     )
-    for attn in ("molt_varlen_gqa", "molt_auto"):
+    for attn in ("molt_varlen_gqa", "molt_auto", "molt_documents"):
         out[f"varlen_vs_{attn}"] = max(
             abs(a - b) for p, q in zip(out["packed_molt_varlen"], out[f"packed_{attn}"], strict=True)
             for a, b in zip(p, q, strict=True))  # fmt: skip
-    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto"):
+    for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto", "molt_documents"):
         del out[f"packed_{attn}"]
     RESULTS["correctness"] = out
     say("correctness (max abs log-prob diff):", json.dumps(out))

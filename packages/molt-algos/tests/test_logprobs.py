@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
+import molt_algos.logprobs as logprobs_module
+from molt_algos.logprobs import _slice_width, logprobs_from_logits, token_logprobs_and_entropy
 
 TEMPERATURES = [0.6, 1.0, 1.7]
 # 13 tokens: 1 and 3 and 5 leave a partial last block; 64 covers everything in one block.
@@ -261,6 +262,35 @@ def test_invalid_arguments_raise():
         token_logprobs_and_entropy(hidden, weight.double(), targets)
     with pytest.raises(ValueError, match="target_ids"):
         token_logprobs_and_entropy(hidden, weight, targets[:-1])
+
+
+def test_backward_slices_are_aligned():
+    # The 8K microbatches of docs/benchmarks.md: ceil(1024 V / T) is 18,995 columns at T = 8191.
+    assert _slice_width(1024, 151936, 8191) == 19000
+    assert _slice_width(1024, 151936, 8192) == 18992  # already a multiple of 8
+    assert _slice_width(5, 37, 13) == 16  # 15 rounded up
+    assert _slice_width(64, 37, 13) == 37  # never wider than the vocabulary
+    assert _slice_width(4, 37, 0) == 37
+
+
+def test_aligned_slices_give_the_unaligned_results(monkeypatch):
+    """Rounding the slice width up (15 -> 16 columns here, a partial last slice either way)
+    changes how the backward walks the vocabulary, not what it computes."""
+    hidden, weight, targets = make_inputs(dtype=torch.float64)
+    a, b = upstream(len(targets))
+
+    def chunked(h, w):
+        return token_logprobs_and_entropy(h, w, targets, 0.8, chunk_size=5)
+
+    results = {}
+    for align in (1, logprobs_module.SLICE_ALIGN):
+        monkeypatch.setattr(logprobs_module, "SLICE_ALIGN", align)
+        results[align] = [*chunked(hidden, weight), *grads_of(chunked, [hidden, weight], a, b)]
+    unaligned, aligned = results.values()
+    for got, want in zip(aligned[:2], unaligned[:2], strict=True):  # the forward is untouched
+        assert torch.equal(got, want)
+    for got, want in zip(aligned[2:], unaligned[2:], strict=True):  # sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 @settings(max_examples=25, deadline=None)

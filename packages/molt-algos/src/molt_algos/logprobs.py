@@ -11,6 +11,10 @@ from torch import Tensor
 
 # Tokens per block. At V = 151,936 one float32 block of logits is 1024 · V · 4 B ≈ 0.6 GB.
 DEFAULT_CHUNK_SIZE = 1024
+# The backward's vocabulary slices are a multiple of this many columns wide: 16 bytes of bf16,
+# so cuBLAS gets aligned leading dimensions (odd widths fall back to align1 kernels, 0.2 s of
+# an 8K-token step on an H200; docs/benchmarks.md, "Trainer parity on one H200").
+SLICE_ALIGN = 8
 
 
 def token_logprobs_and_entropy(
@@ -29,7 +33,8 @@ def token_logprobs_and_entropy(
         target_ids: [...] token ids in [0, V), same leading shape as `hidden`.
         temperature: τ > 0 that divides the logits.
         chunk_size: tokens per forward block; the backward pass walks the vocabulary in slices
-            holding about the same number of logits (chunk_size · V / T columns for all T rows).
+            holding about the same number of logits (chunk_size · V / T columns for all T rows,
+            rounded up to a multiple of SLICE_ALIGN).
         compute_entropy: when False, skip the entropy and return None in its place.
 
     Returns:
@@ -204,6 +209,13 @@ def _logit_grad(logp: Tensor, k: _Coefficients, target_cols: Tensor, out: Tensor
     return out
 
 
+def _slice_width(chunk_size: int, vocab: int, n_tokens: int) -> int:
+    """Columns per backward vocabulary slice: as many logits as a forward block holds, rounded
+    up to a multiple of SLICE_ALIGN (the whole vocabulary at most)."""
+    width = math.ceil(chunk_size * vocab / max(n_tokens, 1))
+    return min(vocab, -(-width // SLICE_ALIGN) * SLICE_ALIGN)
+
+
 def _buffer_for(logp: Tensor, dtype: torch.dtype) -> Tensor:
     """Where a block's gradient goes: over log p itself when the dtypes agree."""
     return logp if logp.dtype == dtype else torch.empty_like(logp, dtype=dtype)
@@ -246,8 +258,7 @@ class _HiddenLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None
         k = _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, ctx.temperature)
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        # Same number of logits per slice as per forward block.
-        width = min(vocab, math.ceil(ctx.chunk_size * vocab / max(n_tokens, 1)))
+        width = _slice_width(ctx.chunk_size, vocab, n_tokens)
 
         grad_hidden = torch.zeros_like(hidden, dtype=lse.dtype) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None

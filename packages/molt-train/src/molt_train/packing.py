@@ -139,6 +139,9 @@ class PackedBatch:
     lengths: list[int]
     fields: dict[str, Tensor | None]  # TOKEN_FIELDS as [S, L] float32; None where absent
     routing: Tensor | None = None  # [layers, input_ids.numel(), top_k] experts to replay
+    # [S + 1] int32 offsets of the sequences in a packed row (0, n_0, n_0 + n_1, ...), for
+    # document-masked attention (molt_train.attention); None for padded rows
+    cu_seqlens: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -200,6 +203,11 @@ def pack(
         routing = microbatch_routing(arrays, width if padded else None).to(device)
     elif any(present):
         raise ValueError("routed_experts is set on some samples of a batch but not on others")
+    cu_seqlens = None
+    if not padded:  # from the host-side lengths: building it costs the device no sync
+        cu_seqlens = torch.tensor([0, *lengths]).cumsum(0, dtype=torch.int32)
+        if torch.device(device).type == "cuda":
+            cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
     return PackedBatch(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
@@ -210,6 +218,7 @@ def pack(
         lengths=lengths,
         fields=fields_,
         routing=routing,
+        cu_seqlens=cu_seqlens,
     )
 
 

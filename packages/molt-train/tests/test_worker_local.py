@@ -1,0 +1,117 @@
+"""ModelWorker methods on CPU without a process group or Ray: the refit/export gather, the
+log-prob inputs under autocast, and the entropy term of the policy loss."""
+
+import pytest
+import torch
+
+import molt_algos.logprobs as logprobs_module
+import molt_train.model_worker as model_worker
+from molt_train.actor_config import ActorConfig, FSDPConfig
+from molt_train.config import AlgoConfig
+from molt_train.model_worker import ModelWorker, _unconverted_names
+from molt_train.packing import Sample, pack
+
+
+def load(tmp_path, moe=False):
+    from transformers import AutoModelForCausalLM
+
+    from molt_rollout.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", moe=moe)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    )
+
+
+def worker_over(model) -> ModelWorker:
+    """A policy worker around a plain (unsharded) module: its methods need no collectives."""
+    worker = ModelWorker(
+        ActorConfig(logprob_chunk_size=4), FSDPConfig(), "policy", 0, 1, on_gpu=False
+    )
+    worker.model, worker.device, worker.autocast = model, torch.device("cpu"), False
+    return worker
+
+
+def per_tensor_gather(model, dtype):
+    """The gather as it was: transformers' revert_weight_conversion called on every tensor."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in model.state_dict().items():
+        yield from revert_weight_conversion(model, {name: tensor.detach().to(dtype)}).items()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_gather_matches_one_conversion_call_per_tensor(tmp_path, moe, dtype):
+    model = load(tmp_path, moe)
+    got = list(worker_over(model).named_full_tensors(dtype))
+    want = list(per_tensor_gather(model, dtype or torch.float32))
+    assert [name for name, _ in got] == [name for name, _ in want]
+    for (name, tensor), (_, expected) in zip(got, want, strict=True):
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+
+    # The dense model converts nothing; the MoE one splits its fused experts per expert.
+    as_is = _unconverted_names(model, model.state_dict())
+    fused = {name for name in model.state_dict() if ".mlp.experts." in name}
+    assert as_is == set(model.state_dict()) - fused
+    assert bool(fused) == moe
+    if moe:
+        assert any(".mlp.experts.0.gate_proj.weight" in name for name, _ in got)
+
+
+def samples(vocab: int) -> list[Sample]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for n in (7, 12, 5):
+        ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
+        mask = [0] + [1] * (n - 1)
+        out.append(Sample(token_ids=ids, loss_mask=mask, temperature=0.9, advantages=mask))
+    return out
+
+
+def test_logprob_inputs_take_the_autocast_dtype(tmp_path, monkeypatch):
+    """Under autocast the chunked log-prob function gets compute-dtype hidden states and head
+    (its backward would otherwise run in fp32); without autocast, as before, fp32."""
+    model = load(tmp_path)
+    batch = pack(samples(model.config.vocab_size))
+    seen = []
+    original = model_worker.token_logprobs_and_entropy
+
+    def spy(hidden, weight, *args):
+        seen.append((hidden.dtype, weight.dtype))
+        return original(hidden, weight, *args)
+
+    monkeypatch.setattr(model_worker, "token_logprobs_and_entropy", spy)
+    model_worker.packed_token_stats(model, batch, 4, True)
+    with torch.autocast("cpu", torch.bfloat16):
+        rows, _ = model_worker.packed_token_stats(model, batch, 4, True)
+    rows.sum().backward()
+    assert seen == [(torch.float32,) * 2, (torch.bfloat16,) * 2]
+    assert model.lm_head.weight.grad.dtype == torch.float32  # the master weight's gradient
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, entropy_coef):
+    """At coefficient 0 the log-prob backward runs without the entropy's terms (no gradient
+    reaches it); `loss/entropy` is reported either way."""
+    model = load(tmp_path)
+    worker = worker_over(model)
+    batch = pack(samples(model.config.vocab_size))
+    batch.fields["old_logprobs"] = None  # on-policy
+    grads_of_entropy = []
+    original = logprobs_module._coefficients
+
+    def spy(grad_logprobs, grad_entropy, *args):
+        grads_of_entropy.append(grad_entropy)
+        return original(grad_logprobs, grad_entropy, *args)
+
+    monkeypatch.setattr(logprobs_module, "_coefficients", spy)
+
+    def reduce(per_token, mask):
+        return (per_token * mask).sum() / mask.sum()
+
+    algo = AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
+    loss, _, stats = worker._policy_loss(batch, reduce, algo, sft=False)
+    loss.backward()
+    assert (grads_of_entropy[0] is None) == (entropy_coef == 0)
+    assert stats["loss/entropy"] > 0
