@@ -128,7 +128,9 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         saved_step = step
 
     pool.start()
-    rollout.watch(pool.fail)  # a dead engine stops the run within seconds, with its log tail
+    # A dead engine stops the run within seconds, with its log tail: a waiting pool at once,
+    # a step in progress (a refit stuck on the dead engine) too.
+    rollout.watch(lambda error: (pool.fail(error), stop.fail(error)))
     try:
         t_start = time.perf_counter()
         for step in range(first_step, cfg.train.num_steps):

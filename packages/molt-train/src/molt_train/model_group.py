@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from molt_train.config import AlgoConfig
 
 Role = Literal["policy", "reference", "critic"]
+SHUTDOWN_TIMEOUT_S = 30.0  # then the workers are killed
 
 
 class ModelGroup:
@@ -162,8 +163,9 @@ class ModelGroup:
     def shutdown(self) -> None:
         import ray
 
-        try:
-            self._all(lambda r, w: w.shutdown.remote())
+        try:  # bounded: a rank stuck in a collective with a dead engine never answers
+            ray.wait([w.shutdown.remote() for w in self.workers],
+                     num_returns=len(self.workers), timeout=SHUTDOWN_TIMEOUT_S)  # fmt: skip
         finally:
             for worker in self.workers:
                 ray.kill(worker)

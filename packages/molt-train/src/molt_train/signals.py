@@ -29,6 +29,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._failure: BaseException | None = None
         self._holding = False
         self._previous: dict[int, object] = {}
 
@@ -36,7 +37,18 @@ class GracefulStop:
         if threading.current_thread() is threading.main_thread():  # signals reach it only
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_failure)
         return self
+
+    def fail(self, error: BaseException) -> None:
+        """From another thread (the engine watchdog): raise `error` in the main thread now, even
+        inside a critical part, which cannot finish (a refit waiting on a dead engine)."""
+        self._failure = error
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def _on_failure(self, signum: int, frame) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
