@@ -15,7 +15,13 @@ from molt_algos.advantages import (
     compute_advantages,
     validate_advantage_config,
 )
-from molt_algos.aggregation import AGGREGATIONS, AggregationName, aggregate
+from molt_algos.aggregation import (
+    AGGREGATIONS,
+    GROUP_AGGREGATIONS,
+    AggregationName,
+    AggregationWindow,
+    aggregate,
+)
 from molt_algos.correction import (
     IS_LEVELS,
     IS_MODES,
@@ -47,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "GROUP_AGGREGATIONS",
     "GROUP_ESTIMATORS",
     "IS_LEVELS",
     "IS_MODES",
@@ -60,6 +67,7 @@ __all__ = [
     "Correction",
     "FixedKLController",
     "AggregationName",
+    "AggregationWindow",
     "EstimatorName",
     "KLConfig",
     "PolicyLossName",

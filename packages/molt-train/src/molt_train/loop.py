@@ -170,16 +170,18 @@ def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: Model
              cfg: RunConfig) -> dict:  # fmt: skip
     """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
     metrics of the last step, plus the token count of all of them."""
-    chunks = _split_by_group(samples, groups, cfg.train.mini_batches)
+    chunks = _split_by_group(list(zip(samples, groups, strict=True)), groups,
+                             cfg.train.mini_batches)  # fmt: skip
     metrics: dict[str, float] = {}
     tokens = 0.0
     for _ in range(cfg.train.epochs_per_batch):
         for chunk in chunks:
-            metrics = policy.train_step(chunk, cfg.algo)
+            chunk_samples, chunk_groups = [s for s, _ in chunk], [g for _, g in chunk]
+            metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
             tokens += metrics.get("train/tokens", 0.0)
             if critic is not None:
                 critic_metrics = critic.train_step(
-                    chunk, cfg.algo, value_clip=cfg.critic.value_clip
+                    chunk_samples, cfg.algo, value_clip=cfg.critic.value_clip, groups=chunk_groups
                 )
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     metrics["train/tokens"] = tokens

@@ -23,7 +23,7 @@ from nemo_automodel.components.training.model_output_utils import get_final_hidd
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from molt_algos import POLICY_LOSSES, aggregate, kl_estimate, value_loss
+from molt_algos import POLICY_LOSSES, AggregationWindow, aggregate, kl_estimate, value_loss
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_algos.masked import masked_mean
 from molt_train.actor_config import (
@@ -342,9 +342,13 @@ class ModelWorker:
         algo: AlgoConfig,
         sft: bool = False,
         value_clip: float | None = None,
+        num_groups: int = 0,
+        group_tokens: list[list[int]] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences`
-        count the whole step window (all ranks), so every microbatch's loss is its share of
+        """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences` /
+        `num_groups` count the whole step window (all ranks), and `group_tokens[i][k]` is the
+        window's token count of the prompt group of microbatch i's sample k (for
+        prompt-mean-token-mean; None otherwise), so every microbatch's loss is its share of
         one global mean (molt_algos.aggregation) and the update does not depend on the split."""
         from nemo_automodel.components.distributed.tp_replicas import (
             synchronize_tp_replica_gradients,
@@ -356,10 +360,18 @@ class ModelWorker:
             scale_grads_and_clip_grad_norm,
         )
 
-        def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
-            return aggregate(
-                per_token, mask, algo.aggregation, num_tokens, num_sequences, self.dp_size
-            )
+        def reducer(i: int):
+            rows = None
+            if group_tokens is not None:  # an empty (padding) microbatch has one untrained row
+                rows = torch.tensor(group_tokens[i] or [1], dtype=torch.float32)
+            window = AggregationWindow(num_tokens, num_sequences, num_groups, rows)
+
+            def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
+                return aggregate(
+                    per_token, mask, algo.aggregation, dp_size=self.dp_size, window=window
+                )
+
+            return reduce
 
         self.model.train()
         totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
@@ -371,6 +383,7 @@ class ModelWorker:
             batch = self._batch(samples)
             # Backward too: activation checkpointing reruns the forward there.
             with replaying(self.routers, batch.routing):
+                reduce = reducer(i)
                 if self.role == "critic":
                     loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
                 else:
