@@ -34,7 +34,14 @@ class AdvantageBatch:
 
 
 EstimatorName = Literal[
-    "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"
+    "reinforce",
+    "reinforce_baseline",
+    "rloo",
+    "grpo",
+    "dr_grpo",
+    "flash_reinforce",
+    "gae",
+    "on_policy_distill",
 ]  # the keys of ADVANTAGE_ESTIMATORS, for typed configs
 
 
@@ -263,6 +270,17 @@ def rloo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
     return _group_advantages(batch, per_rollout, rollouts)
 
 
+def flash_reinforce(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
+    """FlashREINFORCE: A_i = R_i - mean_batch R, the mean over the batch's rollouts (each
+    counted once, whatever its segments or group). No std division, no whitening; made for one
+    rollout per prompt, so it needs no group. Metric `advantage/baseline`: the batch mean."""
+    rollouts = _Rollouts.from_batch(batch)
+    baseline = rollouts.rewards.mean() if rollouts.rewards.numel() else rollouts.rewards.sum()
+    advantages = rollouts.broadcast(rollouts.rewards - baseline, batch.action_mask)
+    metrics = _summary(advantages, batch.action_mask, baseline=baseline)
+    return Advantages(advantages, None, metrics)
+
+
 # --- token-level estimators: returns over a rollout's action tokens ---------------------------
 
 
@@ -338,6 +356,7 @@ ADVANTAGE_ESTIMATORS = {
     "rloo": rloo,
     "grpo": grpo,
     "dr_grpo": dr_grpo,
+    "flash_reinforce": flash_reinforce,
     "gae": gae,
     "on_policy_distill": on_policy_distill,
 }
