@@ -54,6 +54,9 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.async_queue_size", "-1"], ["--train.async_queue_size"]),
         (["--train.max_staleness", "-1"], ["--train.max_staleness"]),
         (["--algo.advantage.is_correction_threshold", "1.0"], ["threshold"]),
+        (["--algo.advantage.is_correction_gating", "tv"], ["gating", "level 'seq'"]),
+        (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
+          "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
     ],
 )  # fmt: skip

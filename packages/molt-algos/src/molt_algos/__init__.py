@@ -23,10 +23,12 @@ from molt_algos.aggregation import (
     aggregate,
 )
 from molt_algos.correction import (
+    IS_GATINGS,
     IS_LEVELS,
     IS_MODES,
     Correction,
     importance_correction,
+    sampled_token_divergence,
     validate_is_correction,
 )
 from molt_algos.kl import (
@@ -55,6 +57,7 @@ __all__ = [
     "AGGREGATIONS",
     "GROUP_AGGREGATIONS",
     "GROUP_ESTIMATORS",
+    "IS_GATINGS",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
@@ -80,6 +83,7 @@ __all__ = [
     "kl_estimate",
     "logprobs_from_logits",
     "safe_log_ratio",
+    "sampled_token_divergence",
     "token_logprobs_and_entropy",
     "validate_advantage_config",
     "validate_is_correction",

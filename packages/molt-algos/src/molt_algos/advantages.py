@@ -59,7 +59,10 @@ class AdvantageConfig:
     distill_coef: float = 1.0  # on_policy_distill: weight of the teacher log-ratio
     is_correction_level: Literal["off", "token", "seq", "geo"] = "token"  # what is compared
     is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"  # outside the band
-    is_correction_threshold: float = 2.0  # the ratio band [1/threshold, threshold]
+    is_correction_threshold: float = 2.0  # ratio: the band [1/t, t]; binary_kl, tv: row mean <= t
+    # What a sequence gate (level seq/geo) compares with the threshold: the ratio, or the
+    # row's mean binary KL or total variation of the sampled tokens (level seq only).
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"  # the gate's statistic
 
 
 @dataclass
