@@ -55,6 +55,11 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.max_staleness", "-1"], ["--train.max_staleness"]),
         (["--algo.advantage.is_correction_threshold", "1.0"], ["threshold"]),
         (["--algo.advantage.is_correction_gating", "tv"], ["gating", "level 'seq'"]),
+        (["--reward.overlong_buffer_len", "4"],
+         ["--reward.overlong_buffer_len", "--reward.max_response_len", "--rollout.max_tokens"]),
+        (["--reward.overlong_buffer_len", "4", "--rollout.max_tokens", "2"],
+         ["--reward.", "overlong_buffer_len=4", "max_response_len=2"]),
+        (["--reward.stop_properly_penalty_coef", "1.5"], ["--reward.", "stop_properly"]),
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
           "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
@@ -65,6 +70,20 @@ def test_bad_combinations_name_their_flags(argv, flags):
         validate_run_config(_cfg(argv))
     for flag in flags:
         assert flag in str(error.value), (flag, str(error.value))
+
+
+def test_the_overlong_budget_comes_from_the_rollout_limits():
+    from molt_train.config import resolved_reward
+
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8"])
+    validate_run_config(cfg)
+    assert resolved_reward(cfg).max_response_len == 8
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8",
+                "--rollout.max_response_tokens", "6"])  # fmt: skip
+    assert resolved_reward(cfg).max_response_len == 6
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--reward.max_response_len", "5"])
+    assert resolved_reward(cfg).max_response_len == 5
+    assert resolved_reward(RunConfig()) == RunConfig().reward
 
 
 def test_force_on_policy_needs_no_is_correction():

@@ -1,7 +1,7 @@
 """molt-algos: RL estimators, losses and corrections as pure functions over torch tensors.
 
 Selected by name through plain dicts: `ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `AGGREGATIONS`,
-`KL_ESTIMATORS`. Formulas, flag values and metric names: docs/algorithms.md.
+`KL_ESTIMATORS`; length shaping of rewards is `shape_rewards`. Formulas, flag values and metric names: docs/algorithms.md.
 """
 
 from molt_algos.advantages import (
@@ -49,6 +49,13 @@ from molt_algos.losses import (
     value_loss,
 )
 from molt_algos.masked import safe_log_ratio
+from molt_algos.shaping import (
+    RewardConfig,
+    ShapedRewards,
+    shape_rewards,
+    shaping_enabled,
+    validate_reward_config,
+)
 
 __version__ = "0.1.0"
 
@@ -76,6 +83,8 @@ __all__ = [
     "PolicyLossName",
     "LossConfig",
     "PolicyLoss",
+    "RewardConfig",
+    "ShapedRewards",
     "aggregate",
     "compute_advantages",
     "importance_correction",
@@ -84,9 +93,12 @@ __all__ = [
     "logprobs_from_logits",
     "safe_log_ratio",
     "sampled_token_divergence",
+    "shape_rewards",
+    "shaping_enabled",
     "token_logprobs_and_entropy",
     "validate_advantage_config",
     "validate_is_correction",
     "validate_loss_config",
+    "validate_reward_config",
     "value_loss",
 ]

@@ -3,13 +3,15 @@
 Every field is a dotted CLI flag (`--algo.advantage.estimator grpo`, `--fsdp.tp_size 2`); the
 CLI is generated from these classes (cli.py) and docs/flags.md from the same. Each setting has
 one owner, the lowest package that reads it: rollout, engine, router, refit, data and eval
-settings are molt-rollout's dataclasses, the estimator, IS, loss and KL settings molt-algos',
+settings are molt-rollout's dataclasses, the estimator, IS, loss, KL and reward-shaping
+settings molt-algos',
 the actor's are in actor_config.py; this module composes them and adds the loop's own.
 `validate_run_config` is the one start-up check of combinations: it raises naming the flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from molt_algos import (
@@ -20,9 +22,11 @@ from molt_algos import (
     KLConfig,
     LossConfig,
     PolicyLossName,
+    RewardConfig,
     validate_advantage_config,
     validate_is_correction,
     validate_loss_config,
+    validate_reward_config,
 )
 from molt_rollout import (
     ChatRunner,
@@ -129,6 +133,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=quickstart_data)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -151,6 +156,7 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
     already checked."""
     try:
         validate_algo(cfg)
+        validate_reward(cfg)
         validate_asynchrony(cfg)
         validate_actor_config(cfg.actor, cfg.fsdp)
         validate_rollout_config(cfg.rollout, cfg.vllm, cfg.router, cfg.refit)
@@ -198,6 +204,37 @@ def validate_algo(cfg: RunConfig) -> None:
             "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
             "would be biased; use --rollout.top_p 1.0"
         )
+
+
+def response_budget(cfg: RunConfig) -> int | None:
+    """The response-token budget of the overlong penalty: --reward.max_response_len, else
+    the rollout's limit on generated tokens (all turns), else its per-turn limit."""
+    rollout = cfg.rollout
+    for budget in (cfg.reward.max_response_len, rollout.max_response_tokens, rollout.max_tokens):
+        if budget is not None:
+            return budget
+    return None
+
+
+def resolved_reward(cfg: RunConfig) -> RewardConfig:
+    """The reward shaping as it runs: the overlong penalty's budget filled in."""
+    if cfg.reward.overlong_buffer_len <= 0:
+        return cfg.reward
+    return dataclasses.replace(cfg.reward, max_response_len=response_budget(cfg))
+
+
+def validate_reward(cfg: RunConfig) -> None:
+    """Length shaping (`--reward.*`): the overlong penalty needs a known budget."""
+    if cfg.reward.overlong_buffer_len > 0 and response_budget(cfg) is None:
+        raise ValueError(
+            f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} ramps a penalty up "
+            "to the response budget, which is unknown: set --reward.max_response_len, "
+            "--rollout.max_response_tokens or --rollout.max_tokens"
+        )
+    try:
+        validate_reward_config(resolved_reward(cfg))
+    except ValueError as error:
+        raise ValueError(f"--reward.*: {error}") from None
 
 
 def validate_asynchrony(cfg: RunConfig) -> None:

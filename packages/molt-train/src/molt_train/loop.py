@@ -28,7 +28,13 @@ from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.actor_config import ActorConfig
 from molt_train.checkpoint import CheckpointManager
-from molt_train.config import RunConfig, validate_agent, validate_devices, validate_run_config
+from molt_train.config import (
+    RunConfig,
+    resolved_reward,
+    validate_agent,
+    validate_devices,
+    validate_run_config,
+)
 from molt_train.experience import make_experience
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
@@ -46,7 +52,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
     on_gpu = cluster_gpus > 0
     model = cfg.actor.model_path or str(build_tiny_model())
     # The resolved config names the model that trained.
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model),
+                              reward=resolved_reward(cfg))  # fmt: skip
     cfg, run_dir = prepare_run_dir(cfg)
     source = PromptSource.from_config(cfg.data)  # a bad data file fails before engines start
     eval_rows = load_eval_rows(cfg.data)
@@ -111,7 +118,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
             t_generated = time.perf_counter()
 
             experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
-                                         reference, critic, cfg.train.routing_replay)  # fmt: skip
+                                         reference, critic, cfg.train.routing_replay,
+                                         cfg.reward)  # fmt: skip
             t_experience = time.perf_counter()
             train_metrics = train_on(
                 experience.samples, experience.sample_groups, policy, critic, cfg
