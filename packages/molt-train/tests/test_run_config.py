@@ -86,6 +86,19 @@ def test_the_overlong_budget_comes_from_the_rollout_limits():
     assert resolved_reward(RunConfig()) == RunConfig().reward
 
 
+def test_aggregation_is_selectable_per_loss():
+    cfg = _cfg(["--algo.aggregation", "prompt-mean-token-mean",
+                "--algo.kl_aggregation", "seq-mean-token-sum"])  # fmt: skip
+    algo = cfg.algo
+    assert [algo.aggregation_of(x) for x in ("policy", "entropy", "kl", "value")] == [
+        "prompt-mean-token-mean", "prompt-mean-token-mean", "seq-mean-token-sum",
+        "prompt-mean-token-mean",
+    ]  # fmt: skip
+    assert algo.aggregations() == {"prompt-mean-token-mean", "seq-mean-token-sum"}
+    with pytest.raises(SystemExit):
+        _cfg(["--algo.entropy_aggregation", "mean"])
+
+
 def test_force_on_policy_needs_no_is_correction():
     cfg = _cfg(["--train.force_on_policy", "True", "--algo.advantage.is_correction_level", "off"])
     validate_run_config(cfg)

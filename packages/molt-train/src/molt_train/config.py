@@ -79,9 +79,21 @@ class AlgoConfig:
     policy_loss: PolicyLossName = "ppo"  # the policy loss (docs/algorithms.md)
     loss: LossConfig = field(default_factory=LossConfig)
     aggregation: AggregationName = "token-mean"  # how per-token losses become one scalar
+    entropy_aggregation: AggregationName | None = None  # entropy bonus; None: --algo.aggregation
+    kl_aggregation: AggregationName | None = None  # KL loss term; None: --algo.aggregation
+    value_aggregation: AggregationName | None = None  # critic (gae); None: --algo.aggregation
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # entropy bonus in the loss
+
+    def aggregation_of(self, loss: str) -> str:
+        """The aggregation mode of `loss`: policy, entropy, kl or value."""
+        own = {"policy": None, "entropy": self.entropy_aggregation,
+               "kl": self.kl_aggregation, "value": self.value_aggregation}[loss]  # fmt: skip
+        return own or self.aggregation
+
+    def aggregations(self) -> set[str]:
+        return {self.aggregation_of(loss) for loss in ("policy", "entropy", "kl", "value")}
 
 
 @dataclass

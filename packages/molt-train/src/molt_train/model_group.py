@@ -134,7 +134,7 @@ class ModelGroup:
         """ONE optimizer step over all `samples`; metrics averaged over ranks (rank 0's copy).
         The policy minimises `algo`'s loss (`sft`: the negative log-likelihood of the trained
         tokens instead, no advantages needed); a critic the value loss clipped at `value_clip`,
-        aggregated like `algo`'s. Samples carry what the loss needs (the loop's experience);
+        aggregated by `algo.aggregation_of("value")`. Samples carry what the loss needs (the loop's experience);
         `groups` names each sample's prompt group (prompt-mean-token-mean; None: every sample
         is a prompt of its own)."""
         plan = self._plan(samples)
@@ -142,7 +142,7 @@ class ModelGroup:
         num_tokens = sum(s.num_trained for s in samples)
         num_sequences = sum(1 for s in samples if s.num_trained)
         num_groups, group_tokens = 0, None
-        if algo.aggregation in GROUP_AGGREGATIONS:
+        if algo.aggregations() & GROUP_AGGREGATIONS:
             num_groups, tokens = group_token_counts(samples, groups)
             group_tokens = self._per_rank(plan, tokens)
         results = self._all(

@@ -366,10 +366,9 @@ class ModelWorker:
                 rows = torch.tensor(group_tokens[i] or [1], dtype=torch.float32)
             window = AggregationWindow(num_tokens, num_sequences, num_groups, rows)
 
-            def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
-                return aggregate(
-                    per_token, mask, algo.aggregation, dp_size=self.dp_size, window=window
-                )
+            def reduce(per_token: Tensor, mask: Tensor, loss: str) -> Tensor:
+                mode = algo.aggregation_of(loss)
+                return aggregate(per_token, mask, mode, dp_size=self.dp_size, window=window)
 
             return reduce
 
@@ -448,8 +447,8 @@ class ModelWorker:
             per_token, metrics = result.per_token, result.metrics
         if weights is not None:
             per_token = per_token * weights
-        policy_loss = reduce(per_token, mask)
-        loss = policy_loss - algo.entropy_coef * reduce(entropy, mask)
+        policy_loss = reduce(per_token, mask, "policy")
+        loss = policy_loss - algo.entropy_coef * reduce(entropy, mask, "entropy")
         stats = dict(metrics)
         stats["loss/entropy"] = masked_mean(entropy.detach(), mask).item()
         kl_cfg = algo.kl
@@ -458,7 +457,7 @@ class ModelWorker:
             kl = kl_estimate(
                 logprobs, logprobs.detach() if ref is None else ref, mask, kl_cfg.estimator
             )
-            loss = loss + kl_cfg.loss_coef * reduce(kl, mask)
+            loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
         return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats
 
@@ -471,7 +470,7 @@ class ModelWorker:
         returns = _or_zeros(batch.fields["returns"], values)
         old = values.detach() if old is None else old
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
-        loss = reduce(result.per_token, batch.loss_mask)
+        loss = reduce(result.per_token, batch.loss_mask, "value")
         return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
 
     def _all_reduce_metrics(
