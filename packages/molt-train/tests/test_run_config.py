@@ -60,6 +60,8 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--reward.overlong_buffer_len", "4", "--rollout.max_tokens", "2"],
          ["--reward.", "overlong_buffer_len=4", "max_response_len=2"]),
         (["--reward.stop_properly_penalty_coef", "1.5"], ["--reward.", "stop_properly"]),
+        (["--ckpt.best_metric", "rollout/reward_mean"], ["--ckpt.best_metric", "eval/"]),
+        (["--ckpt.best_metric", "eval/pass@1"], ["--ckpt.best_metric", "--eval.every_steps"]),
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
           "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),

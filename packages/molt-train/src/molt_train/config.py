@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from molt_algos import (
     GROUP_ESTIMATORS,
@@ -123,6 +124,8 @@ class CheckpointConfig:
     keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     export_hf: bool = True  # safetensors of the final policy, loadable by vLLM and HF
+    best_metric: str | None = None  # e.g. eval/pass@1: keep its best checkpoint as best/
+    best_mode: Literal["max", "min"] = "max"  # whether a larger or smaller best_metric wins
 
 
 def quickstart_data() -> DataConfig:
@@ -175,8 +178,7 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
         validate_data_config(cfg.data)
         validate_eval_config(cfg.eval)
         validate_logger_config(cfg.logger)
-        if cfg.ckpt.keep_last < 1 or cfg.ckpt.every_steps < 0:
-            raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
+        validate_checkpoints(cfg)
     except ValueError as error:
         raise StartupError(str(error)) from None
     if cluster_gpus is not None:
@@ -289,6 +291,24 @@ def validate_asynchrony(cfg: RunConfig) -> None:
         raise ValueError(
             "--train.routing_replay replays the experts the engines report: add "
             "--vllm.enable_return_routed_experts"
+        )
+
+
+def validate_checkpoints(cfg: RunConfig) -> None:
+    """Checkpoint cadence and the best-checkpoint metric, which evals must produce."""
+    ckpt = cfg.ckpt
+    if ckpt.keep_last < 1 or ckpt.every_steps < 0:
+        raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
+    if ckpt.best_metric is None:
+        return
+    if not ckpt.best_metric.startswith("eval/"):
+        raise ValueError(
+            f"--ckpt.best_metric {ckpt.best_metric!r}: the best checkpoint is chosen by an "
+            "eval metric, e.g. eval/pass@1 or eval/<data source>/pass@1"
+        )
+    if not cfg.eval.every_steps:
+        raise ValueError(
+            f"--ckpt.best_metric {ckpt.best_metric} needs evaluations: set --eval.every_steps"
         )
 
 

@@ -27,7 +27,7 @@ from molt_rollout.runner_actors import RunnerActors
 from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.actor_config import ActorConfig
-from molt_train.checkpoint import CheckpointManager
+from molt_train.checkpoint import BestTracker, CheckpointManager
 from molt_train.config import (
     RunConfig,
     resolved_reward,
@@ -91,6 +91,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
 
     # ---- resume ----------------------------------------------------------------------------
     checkpoints = CheckpointManager(str(run_dir / "checkpoints"), cfg.ckpt.keep_last)
+    best = BestTracker(cfg.ckpt.best_metric, cfg.ckpt.best_mode) if cfg.ckpt.best_metric else None
     first_step = 0
     latest = checkpoints.latest() if cfg.ckpt.resume else None
     if latest is not None:
@@ -98,6 +99,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         first_step = state["step"]
         pool.load_state_dict(state["pool"])
         kl_ctl.load_state_dict(state["kl_controller"])
+        if best is not None and state.get("best"):
+            best.load_state_dict(state["best"])
         print(f"resumed from {latest} at step {first_step}")
     version = first_step  # the weight version is the number of optimizer steps taken
     if latest is not None:
@@ -149,17 +152,29 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 / max(t_trained - t_experience, 1e-9),
                 "train/weight_version": float(version),
             }
+            new_best = False
             if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
-                metrics.update(evaluate(eval_rows, runners, cfg))
+                results = evaluate(eval_rows, runners, cfg)  # of the weights of `version`
+                metrics.update(results)
+                new_best = best is not None and best.update(version, results)
+            if best is not None and best.value is not None:
+                metrics.update({"ckpt/best_value": best.value, "ckpt/best_version": best.version})
             logger.log(step + 1, metrics)
             record_trained_prompts(run_dir, step + 1, batch)
             logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
                                                      cfg.logger.num_sample_rollouts,
                                                      version - 1))  # trained at  # fmt: skip
             last = step + 1 == cfg.train.num_steps
-            if last or (cfg.ckpt.every_steps and (step + 1) % cfg.ckpt.every_steps == 0):
+            if (
+                new_best
+                or last
+                or (cfg.ckpt.every_steps and (step + 1) % cfg.ckpt.every_steps == 0)
+            ):
                 checkpoints.save(step + 1, actors, {"step": step + 1, "pool": pool.state_dict(),
-                                                    "kl_controller": kl_ctl.state_dict()})  # fmt: skip
+                                                    "kl_controller": kl_ctl.state_dict(),
+                                                    "best": best and best.state_dict()})  # fmt: skip
+            if new_best:  # the weights of `version` are this step's checkpoint
+                checkpoints.promote_best(version, best.record())
         if cfg.ckpt.export_hf:
             policy.export_hf(str(run_dir / "hf_policy"))
     finally:
