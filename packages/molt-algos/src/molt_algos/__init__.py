@@ -22,6 +22,7 @@ from molt_algos.aggregation import (
     AggregationWindow,
     aggregate,
 )
+from molt_algos.centering import score_centering
 from molt_algos.correction import (
     IS_GATINGS,
     IS_LEVELS,
@@ -93,6 +94,7 @@ __all__ = [
     "logprobs_from_logits",
     "safe_log_ratio",
     "sampled_token_divergence",
+    "score_centering",
     "shape_rewards",
     "shaping_enabled",
     "token_logprobs_and_entropy",
