@@ -20,10 +20,14 @@ class SampledLogprobs:
         return [list(self.by_ids[tuple(s.token_ids)]) for s in samples]
 
 
-def rollout(index: int, reward: float, generated: int, finish: str) -> Rollout:
+def rollout(index: int, reward: float, generated: int, finish: str, k: int = 0) -> Rollout:
     seg = Segment()
     seg.append_context([1, 2, 100 + index])
-    gen = Generation([7 + index] * generated, [-0.5] * generated, finish, [0] * generated)
+    heads = {}
+    if k:
+        heads = dict(top_ids=[[7 + index, 3][:k]] * generated,
+                     top_logprobs=[[-0.5, -1.5][:k]] * generated)  # fmt: skip
+    gen = Generation([7 + index] * generated, [-0.5] * generated, finish, [0] * generated, **heads)
     seg.append_generation(gen, max_tokens=4)
     return Rollout([seg], reward, rollout_id=f"r{index}", group_id=f"g{index}")
 
@@ -67,3 +71,16 @@ def test_no_shaping_by_default():
     exp = make_experience(batch_of(rollouts), 0, policy, algo, 0.0)
     assert not any(key.startswith("reward/") for key in exp.metrics)
     assert max(exp.samples[0].advantages) == pytest.approx(0.5)
+
+
+def test_score_centering_carries_the_sampler_heads():
+    rollouts = [rollout(0, 1.0, 2, "stop", k=2), rollout(1, 0.0, 1, "stop", k=2)]
+    policy = SampledLogprobs([s for r in rollouts for s in r.segments])
+    algo = AlgoConfig(score_centering=True)
+    algo.advantage.estimator = "flash_reinforce"
+    exp = make_experience(batch_of(rollouts), 0, policy, algo, 0.0)
+    assert exp.samples[0].head_ids == [[], [], [], [7, 3], [7, 3]]
+    assert exp.samples[1].head_logprobs == [[], [], [], [-0.5, -1.5]]
+    plain = [rollout(0, 1.0, 2, "stop")]
+    with pytest.raises(ValueError, match="top_logprobs"):
+        make_experience(batch_of(plain), 0, SampledLogprobs(plain[0].segments), algo, 0.0)

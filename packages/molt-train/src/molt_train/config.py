@@ -86,6 +86,7 @@ class AlgoConfig:
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # entropy bonus in the loss
+    score_centering: bool = False  # score minus the sampler's top-k expectation (centering.py)
 
     def aggregation_of(self, loss: str) -> str:
         """The aggregation mode of `loss`: policy, entropy, kl or value."""
@@ -211,12 +212,35 @@ def validate_algo(cfg: RunConfig) -> None:
             "--algo.advantage.estimator on_policy_distill: the teacher is the reference model; "
             "add --ref.enable --ref.model_path TEACHER"
         )
+    if algo.score_centering:
+        validate_score_centering(cfg)
     if adv.is_correction_level != "off" and cfg.rollout.top_p < 1.0:
         raise ValueError(
             f"--algo.advantage.is_correction_level {adv.is_correction_level} with "
             f"--rollout.top_p {cfg.rollout.top_p}: top-p sampling renormalises the engine's "
             "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
             "would be biased; use --rollout.top_p 1.0"
+        )
+
+
+def validate_score_centering(cfg: RunConfig) -> None:
+    """--algo.score_centering reads the engine's top-k candidates and the hidden states."""
+    adv = cfg.algo.advantage
+    if cfg.rollout.top_logprobs < 1:
+        raise ValueError(
+            "--algo.score_centering subtracts the sampler's expected score over its top-k "
+            "head: set --rollout.top_logprobs k (e.g. 8)"
+        )
+    if adv.is_correction_level in ("seq", "geo"):
+        raise ValueError(
+            f"--algo.score_centering with --algo.advantage.is_correction_level "
+            f"{adv.is_correction_level}: centring corrects per token and composes with token IS "
+            "weights only; a sequence gate would mix the two corrections. Use level token or off"
+        )
+    if cfg.fsdp.tp_size > 1 or cfg.fsdp.ep_size > 1:
+        raise ValueError(
+            "--algo.score_centering computes candidate log-probs from the hidden states, which "
+            "--fsdp.tp_size > 1 or --fsdp.ep_size > 1 do not give: use 1 for both"
         )
 
 

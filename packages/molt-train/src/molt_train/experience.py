@@ -55,6 +55,15 @@ def _routing(segment: Segment) -> np.ndarray:
     return routing_array(segment.routed_experts)
 
 
+def _heads(segment: Segment) -> tuple[list[list[int]], list[list[float]]]:
+    if segment.top_ids is None or segment.top_logprobs is None:
+        raise ValueError(
+            "--algo.score_centering: a rollout segment carries no top-k candidates (does the "
+            "run set --rollout.top_logprobs?)"
+        )
+    return segment.top_ids, segment.top_logprobs
+
+
 def make_experience(
     batch: Batch,
     version: int,
@@ -78,6 +87,8 @@ def make_experience(
             loss_mask=s.trainable,
             temperature=s.temperature,
             routed_experts=_routing(s) if routing_replay else None,
+            head_ids=_heads(s)[0] if algo.score_centering else None,
+            head_logprobs=_heads(s)[1] if algo.score_centering else None,
         )
         for _, s in segments
     ]
