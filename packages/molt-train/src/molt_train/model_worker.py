@@ -114,10 +114,11 @@ def packed_token_stats(
 def candidate_logprobs(
     hidden: Tensor, weight: Tensor, batch: PackedBatch, rows: Tensor, head_ids: Tensor
 ) -> Tensor:
-    """[S, L, K] log pi(j) of candidate ids at each position, from the hidden states [R, T-1, H]
-    (one packed row, or padded rows) that predict tokens 1..T-1 and the sampled tokens' log-probs `rows` [S, L]:
-    log pi(j) = (z_j - z_y) / tau + log pi(y), z = h . W, which needs K rows of W per position,
-    never the [T, V] logits (the sampled token's logsumexp is in log pi(y))."""
+    """[S, L, K] log pi(j) of candidate ids at each position, from the hidden states
+    [R, T-1, H] (one packed row, or padded rows) that predict tokens 1..T-1 and the sampled
+    tokens' log-probs `rows` [S, L]: log pi(j) = (z_j - z_y) / tau + log pi(y), z = h . W.
+    It needs K rows of W per position, never the [T, V] logits (log pi(y) holds the
+    logsumexp)."""
     states = torch.nn.functional.pad(hidden, (0, 0, 1, 0))  # position p: predicts token p
     states = states.reshape(-1, states.shape[-1])[batch.row_index].float()  # [S, L, H]
     weight = weight.float()
