@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from molt_algos import LossConfig, aggregate, score_centering
+from molt_algos import CENTERING_METRICS, LossConfig, aggregate, score_centering
 from molt_algos.losses import POLICY_LOSSES
 
 V, K = 11, 4
@@ -77,6 +77,7 @@ def test_gradient_is_the_centred_score(seed):
     centred.backward()
     torch.testing.assert_close(w.grad, reference_grad(p[1], p), rtol=1e-5, atol=1e-6)
     assert 0.0 < metrics["loss/centering_head_mass"] <= 1.0 + 1e-6
+    assert set(metrics) == set(CENTERING_METRICS)
 
 
 def test_the_centred_score_is_zero_mean_under_the_sampler():

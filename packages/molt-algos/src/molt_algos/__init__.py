@@ -22,7 +22,7 @@ from molt_algos.aggregation import (
     AggregationWindow,
     aggregate,
 )
-from molt_algos.centering import score_centering
+from molt_algos.centering import CENTERING_METRICS, score_centering
 from molt_algos.correction import (
     IS_GATINGS,
     IS_LEVELS,
@@ -62,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CENTERING_METRICS",
     "AGGREGATIONS",
     "GROUP_AGGREGATIONS",
     "GROUP_ESTIMATORS",

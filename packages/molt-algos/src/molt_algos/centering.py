@@ -20,6 +20,10 @@ from torch import Tensor
 
 from molt_algos.masked import masked_mean, to_floats
 
+# The metrics `score_centering` returns (a trainer reports them on every rank, 0 where it had
+# nothing to centre, so that distributed reductions see the same keys everywhere).
+CENTERING_METRICS = ("loss/centering_head_mass", "loss/centering_coef_mean")
+
 
 def score_centering(
     per_token: Tensor,

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from molt_algos import (
+    CENTERING_METRICS,
     POLICY_LOSSES,
     AggregationWindow,
     aggregate,
@@ -498,6 +499,8 @@ class ModelWorker:
                 per_token, logprobs, stats_.head_logprobs, batch.head_logprobs, mask
             )
             metrics = {**metrics, **centring_metrics}
+        elif algo.score_centering and not sft:  # a padding microbatch: the same keys on every rank
+            metrics = {**metrics, **dict.fromkeys(CENTERING_METRICS, 0.0)}
         policy_loss = reduce(per_token, mask, "policy")
         loss = policy_loss - algo.entropy_coef * reduce(entropy, mask, "entropy")
         stats = dict(metrics)
