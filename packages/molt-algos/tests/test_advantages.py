@@ -42,6 +42,7 @@ def group_rewards(rollouts):
 def ref_group_estimator(batch, name, eps):
     rollouts = rollouts_of(batch)
     groups = group_rewards(rollouts)
+    everyone = [reward for reward, _, _ in rollouts.values()]
     out = torch.zeros(batch.action_mask.shape, dtype=torch.float64)
     for reward, group, tokens in rollouts.values():
         others = groups[group]
@@ -53,6 +54,8 @@ def ref_group_estimator(batch, name, eps):
             adv = reward - mean
         elif name == "rloo":
             adv = reward - (sum(others) - reward) / (n - 1) if n > 1 else 0.0
+        elif name == "flash_reinforce":
+            adv = reward - sum(everyone) / len(everyone)
         for row, t in tokens:
             out[row, t] = adv
     return out
@@ -104,7 +107,7 @@ def ref_token_level(batch, name, cfg):
 # --- comparisons -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "flash_reinforce"])
 @pytest.mark.parametrize("seed", range(5))
 def test_group_estimators_match_reference(batch_factory, name, seed):
     batch = batch_factory(seed, group_size=1 + seed % 4)  # includes singleton groups
@@ -170,6 +173,28 @@ def test_singleton_group_has_zero_advantage(name):
     assert torch.all(torch.isfinite(adv))
 
 
+def test_flash_reinforce_centres_on_the_batch_with_one_rollout_per_prompt():
+    batch = one_row_per_rollout([1.0, 0.0, 0.0, 1.0, 1.0], [0, 1, 2, 3, 4])
+    result = compute_advantages(batch, AdvantageConfig(estimator="flash_reinforce"))
+    expected = torch.tensor([0.4, -0.6, -0.6, 0.4, 0.4])[:, None].expand(5, 4)
+    torch.testing.assert_close(result.advantages, expected)  # no std division, no whitening
+    assert result.metrics["advantage/baseline"] == pytest.approx(0.6)
+    constant = one_row_per_rollout([2.0, 2.0], [0, 1])
+    flat = compute_advantages(constant, AdvantageConfig(estimator="flash_reinforce"))
+    assert torch.all(flat.advantages == 0)
+
+
+def test_flash_reinforce_counts_a_rollout_once_whatever_its_segments():
+    batch = AdvantageBatch(
+        rewards=torch.tensor([1.0, 1.0, 1.0, 0.0]),
+        action_mask=torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1]], dtype=torch.bool),
+        group_ids=torch.tensor([0, 0, 0, 1]),
+        rollout_ids=torch.tensor([3, 3, 3, 8]),
+    )
+    adv = compute_advantages(batch, AdvantageConfig(estimator="flash_reinforce")).advantages
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5], [0.5, 0.0], [0, 0], [-0.5, -0.5]]))
+
+
 def test_multi_segment_rollout_counts_once_in_its_group():
     # Rollout 0 has three segments; a per-row mean would weigh it three times.
     batch = AdvantageBatch(
@@ -229,7 +254,9 @@ def test_segments_of_one_rollout_must_agree_on_reward():
 # --- configuration -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "on_policy_distill"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "dr_grpo", "rloo", "flash_reinforce", "on_policy_distill"]
+)
 def test_kl_in_reward_is_rejected_for_scalar_estimators(name):
     with pytest.raises(ValueError, match="kl_coef"):
         validate_advantage_config(AdvantageConfig(estimator=name, kl_coef=0.1))

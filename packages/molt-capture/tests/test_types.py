@@ -60,3 +60,21 @@ def test_routing_rows_accumulate_across_turns():
     seg.append_context([5])
     seg.append_generation(Generation([6], [-0.1], "stop", [1], [[[3]], [[4]]], 3), 4)
     assert seg.routed_experts == [[[0]], [[1]], [[2]], [[3]], [[4]], None]
+
+
+def test_top_k_candidates_stay_aligned_across_turns():
+    seg = Segment()
+    seg.append_context([1, 2])
+    seg.append_generation(Generation([3], [-0.1], "stop", [0]), 4)  # no candidates asked
+    assert seg.top_ids is None
+    gen = Generation([4, 5], [-0.2, -0.3], "stop", [1, 1], top_ids=[[4, 9], [5, 8]],
+                     top_logprobs=[[-0.2, -2.0], [-0.3, -1.5]])  # fmt: skip
+    seg.append_generation(gen, 4)
+    seg.append_context([6])
+    assert seg.top_ids == [[], [], [], [4, 9], [5, 8], []]
+    assert seg.top_logprobs == [[], [], [], [-0.2, -2.0], [-0.3, -1.5], []]
+    assert Segment.from_dict(json.loads(json.dumps(seg.to_dict()))) == seg
+    with pytest.raises(ValueError, match="top-k rows"):
+        Generation([1, 2], [-0.1] * 2, "stop", [0] * 2, top_ids=[[1]], top_logprobs=[[-0.1]])
+    with pytest.raises(ValueError, match="come together"):
+        Generation([1], [-0.1], "stop", [0], top_ids=[[1]])

@@ -411,3 +411,24 @@ def test_empty_generation_is_never_a_race(engine):
     gen = generate(client, params=SamplingParams(max_tokens=0))
     assert gen.token_ids == [] and gen.weight_versions == []
     assert client.version_races == 0 and len(engine.generate_calls()) == 1
+
+
+def test_parse_top_k_candidates():
+    content = [
+        # vLLM lists the sampled token first, then the top-k by rank (the sampled one again).
+        {"token_id": 17, "logprob": -0.25, "top_logprobs": [
+            {"token_id": 17, "logprob": -0.25, "rank": 1}, {"token_id": 17, "logprob": -0.25},
+            {"token_id": 3, "logprob": -2.0, "rank": 2}, {"token_id": 8, "logprob": -2.5}]},
+        # A sampled token outside the head: k + 1 entries, the k best are kept.
+        {"token_id": 4, "logprob": -4.0, "top_logprobs": [
+            {"token_id": 4, "logprob": -4.0, "rank": 9}, {"token_id": 5, "logprob": -0.1},
+            {"token_id": 6, "logprob": -1.0}, {"token_id": 7, "logprob": -3.0}]},
+    ]  # fmt: skip
+    reply = vllm_reply(token_ids=[17, 4], logprobs={"content": content},
+                       weight_versions=[{"version": "1", "start": 0, "end": 2}])  # fmt: skip
+    gen = parse_generation(reply, top_k=3)
+    assert gen.top_ids == [[17, 3, 8], [5, 6, 7]]
+    assert gen.top_logprobs == [[-0.25, -2.0, -2.5], [-0.1, -1.0, -3.0]]
+    assert parse_generation(reply).top_ids is None  # not asked: not kept
+    with pytest.raises(GenerationError, match="none"):
+        parse_generation(vllm_reply(), top_k=2)

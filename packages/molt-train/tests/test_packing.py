@@ -145,7 +145,8 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
         samples.append(Sample(token_ids=ids, loss_mask=[0] + [1] * (n - 1), temperature=0.8))
     with torch.no_grad():
         batch = pack(samples, padded=padded)
-        rows, entropy = packed_token_stats(model, batch, 4, True, from_hidden=from_hidden)
+        stats = packed_token_stats(model, batch, 4, True, from_hidden=from_hidden)
+        rows, entropy = stats.logprobs, stats.entropy
         packed = batch.to_lists(rows)
         for sample_, got, got_entropy in zip(samples, packed, entropy, strict=True):
             ids = torch.tensor([sample_.token_ids])
@@ -215,3 +216,60 @@ def test_document_attention_varlen_matches_its_reference(monkeypatch):
         # bf16 against fp32: a few of 2M gradient elements differ by up to ~0.08 (measured on
         # an H200), so the bound is on the relative error of the whole tensor.
         assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_candidate_logprobs_match_the_full_softmax(tiny_model, padded):
+    """log pi(j) of the sampler's candidates from hidden states and the sampled token's
+    log-prob equals log_softmax(z / tau)[j], value and gradient, packed or padded."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_train.model_worker import packed_token_stats
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for n in (6, 3, 9):
+        ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
+        heads = [[] if t == 0 else torch.randint(0, vocab, (1 + t % 3,), generator=generator).tolist()
+                 for t in range(n)]  # fmt: skip
+        head_lps = [[-1.0] * len(row) for row in heads]
+        samples.append(Sample(token_ids=ids, loss_mask=[0] + [1] * (n - 1), temperature=0.7,
+                              head_ids=heads, head_logprobs=head_lps))  # fmt: skip
+    batch = pack(samples, padded=padded)
+    assert batch.head_ids.shape == (3, 9, 3) and torch.isinf(batch.head_logprobs[0, 0]).all()
+    stats = packed_token_stats(model, batch, 4, False, head_ids=batch.head_ids)
+    present = torch.isfinite(batch.head_logprobs) & batch.loss_mask[..., None]
+    got = torch.where(present, stats.head_logprobs, torch.zeros_like(stats.head_logprobs))
+    grads = torch.autograd.grad(got.sum(), list(model.parameters()), allow_unused=True)
+
+    expected = []
+    for i, sample in enumerate(samples):
+        ids = torch.tensor([sample.token_ids])
+        logp = torch.log_softmax(model(ids).logits[0].float() / 0.7, dim=-1)
+        for t, row in enumerate(sample.head_ids):
+            for k, j in enumerate(row):
+                if sample.loss_mask[t]:
+                    expected.append(logp[t - 1, j])
+                    torch.testing.assert_close(
+                        got[i, t, k], logp[t - 1, j].detach(), atol=1e-5, rtol=0
+                    )
+    want = torch.autograd.grad(
+        torch.stack(expected).sum(), list(model.parameters()), allow_unused=True
+    )
+    for g, w in zip(grads, want, strict=True):
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_heads_must_be_on_every_sample_of_a_batch():
+    with_head = Sample([1, 2], [0, 1], head_ids=[[], [2]], head_logprobs=[[], [-0.1]])
+    with pytest.raises(ValueError, match="head_ids"):
+        pack([with_head, Sample([1, 2], [0, 1])])
+    with pytest.raises(ValueError, match="come together"):
+        Sample([1, 2], [0, 1], head_ids=[[], [2]])
+    with pytest.raises(ValueError, match="head rows"):
+        Sample([1, 2], [0, 1], head_ids=[[2]], head_logprobs=[[-0.1]])

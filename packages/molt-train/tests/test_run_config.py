@@ -54,6 +54,23 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.async_queue_size", "-1"], ["--train.async_queue_size"]),
         (["--train.max_staleness", "-1"], ["--train.max_staleness"]),
         (["--algo.advantage.is_correction_threshold", "1.0"], ["threshold"]),
+        (["--algo.advantage.is_correction_gating", "tv"], ["gating", "level 'seq'"]),
+        (["--reward.overlong_buffer_len", "4"],
+         ["--reward.overlong_buffer_len", "--reward.max_response_len", "--rollout.max_tokens"]),
+        (["--reward.overlong_buffer_len", "4", "--rollout.max_tokens", "2"],
+         ["--reward.", "overlong_buffer_len=4", "max_response_len=2"]),
+        (["--reward.stop_properly_penalty_coef", "1.5"], ["--reward.", "stop_properly"]),
+        (["--ckpt.best_metric", "rollout/reward_mean"], ["--ckpt.best_metric", "eval/"]),
+        (["--algo.score_centering"], ["--algo.score_centering", "--rollout.top_logprobs"]),
+        (["--algo.score_centering", "--rollout.top_logprobs", "4",
+          "--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
+          "mask"], ["--algo.score_centering", "--algo.advantage.is_correction_level"]),
+        (["--algo.score_centering", "--rollout.top_logprobs", "4", "--fsdp.tp_size", "2"],
+         ["--algo.score_centering", "--fsdp.tp_size"]),
+        (["--rollout.top_logprobs", "21"], ["--rollout.top_logprobs"]),
+        (["--ckpt.best_metric", "eval/pass@1"], ["--ckpt.best_metric", "--eval.every_steps"]),
+        (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
+          "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
     ],
 )  # fmt: skip
@@ -62,6 +79,33 @@ def test_bad_combinations_name_their_flags(argv, flags):
         validate_run_config(_cfg(argv))
     for flag in flags:
         assert flag in str(error.value), (flag, str(error.value))
+
+
+def test_the_overlong_budget_comes_from_the_rollout_limits():
+    from molt_train.config import resolved_reward
+
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8"])
+    validate_run_config(cfg)
+    assert resolved_reward(cfg).max_response_len == 8
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8",
+                "--rollout.max_response_tokens", "6"])  # fmt: skip
+    assert resolved_reward(cfg).max_response_len == 6
+    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--reward.max_response_len", "5"])
+    assert resolved_reward(cfg).max_response_len == 5
+    assert resolved_reward(RunConfig()) == RunConfig().reward
+
+
+def test_aggregation_is_selectable_per_loss():
+    cfg = _cfg(["--algo.aggregation", "prompt-mean-token-mean",
+                "--algo.kl_aggregation", "seq-mean-token-sum"])  # fmt: skip
+    algo = cfg.algo
+    assert [algo.aggregation_of(x) for x in ("policy", "entropy", "kl", "value")] == [
+        "prompt-mean-token-mean", "prompt-mean-token-mean", "seq-mean-token-sum",
+        "prompt-mean-token-mean",
+    ]  # fmt: skip
+    assert algo.aggregations() == {"prompt-mean-token-mean", "seq-mean-token-sum"}
+    with pytest.raises(SystemExit):
+        _cfg(["--algo.entropy_aggregation", "mean"])
 
 
 def test_force_on_policy_needs_no_is_correction():

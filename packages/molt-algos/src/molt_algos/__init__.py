@@ -1,7 +1,7 @@
 """molt-algos: RL estimators, losses and corrections as pure functions over torch tensors.
 
 Selected by name through plain dicts: `ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `AGGREGATIONS`,
-`KL_ESTIMATORS`. Formulas, flag values and metric names: docs/algorithms.md.
+`KL_ESTIMATORS`; length shaping of rewards is `shape_rewards`. Formulas, flag values and metric names: docs/algorithms.md.
 """
 
 from molt_algos.advantages import (
@@ -15,12 +15,21 @@ from molt_algos.advantages import (
     compute_advantages,
     validate_advantage_config,
 )
-from molt_algos.aggregation import AGGREGATIONS, AggregationName, aggregate
+from molt_algos.aggregation import (
+    AGGREGATIONS,
+    GROUP_AGGREGATIONS,
+    AggregationName,
+    AggregationWindow,
+    aggregate,
+)
+from molt_algos.centering import CENTERING_METRICS, score_centering
 from molt_algos.correction import (
+    IS_GATINGS,
     IS_LEVELS,
     IS_MODES,
     Correction,
     importance_correction,
+    sampled_token_divergence,
     validate_is_correction,
 )
 from molt_algos.kl import (
@@ -42,13 +51,23 @@ from molt_algos.losses import (
     value_loss,
 )
 from molt_algos.masked import safe_log_ratio
+from molt_algos.shaping import (
+    RewardConfig,
+    ShapedRewards,
+    shape_rewards,
+    shaping_enabled,
+    validate_reward_config,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CENTERING_METRICS",
     "AGGREGATIONS",
+    "GROUP_AGGREGATIONS",
     "GROUP_ESTIMATORS",
+    "IS_GATINGS",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
@@ -62,11 +81,14 @@ __all__ = [
     "Correction",
     "FixedKLController",
     "AggregationName",
+    "AggregationWindow",
     "EstimatorName",
     "KLConfig",
     "PolicyLossName",
     "LossConfig",
     "PolicyLoss",
+    "RewardConfig",
+    "ShapedRewards",
     "aggregate",
     "compute_advantages",
     "importance_correction",
@@ -74,9 +96,14 @@ __all__ = [
     "kl_estimate",
     "logprobs_from_logits",
     "safe_log_ratio",
+    "sampled_token_divergence",
+    "score_centering",
+    "shape_rewards",
+    "shaping_enabled",
     "token_logprobs_and_entropy",
     "validate_advantage_config",
     "validate_is_correction",
     "validate_loss_config",
+    "validate_reward_config",
     "value_loss",
 ]

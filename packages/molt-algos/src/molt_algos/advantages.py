@@ -34,7 +34,14 @@ class AdvantageBatch:
 
 
 EstimatorName = Literal[
-    "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"
+    "reinforce",
+    "reinforce_baseline",
+    "rloo",
+    "grpo",
+    "dr_grpo",
+    "flash_reinforce",
+    "gae",
+    "on_policy_distill",
 ]  # the keys of ADVANTAGE_ESTIMATORS, for typed configs
 
 
@@ -52,7 +59,10 @@ class AdvantageConfig:
     distill_coef: float = 1.0  # on_policy_distill: weight of the teacher log-ratio
     is_correction_level: Literal["off", "token", "seq", "geo"] = "token"  # what is compared
     is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"  # outside the band
-    is_correction_threshold: float = 2.0  # the ratio band [1/threshold, threshold]
+    is_correction_threshold: float = 2.0  # ratio: the band [1/t, t]; binary_kl, tv: row mean <= t
+    # What a sequence gate (level seq/geo) compares with the threshold: the ratio, or the
+    # row's mean binary KL or total variation of the sampled tokens (level seq only).
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"  # the gate's statistic
 
 
 @dataclass
@@ -263,6 +273,17 @@ def rloo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
     return _group_advantages(batch, per_rollout, rollouts)
 
 
+def flash_reinforce(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
+    """FlashREINFORCE: A_i = R_i - mean_batch R, the mean over the batch's rollouts (each
+    counted once, whatever its segments or group). No std division, no whitening; made for one
+    rollout per prompt, so it needs no group. Metric `advantage/baseline`: the batch mean."""
+    rollouts = _Rollouts.from_batch(batch)
+    baseline = rollouts.rewards.mean() if rollouts.rewards.numel() else rollouts.rewards.sum()
+    advantages = rollouts.broadcast(rollouts.rewards - baseline, batch.action_mask)
+    metrics = _summary(advantages, batch.action_mask, baseline=baseline)
+    return Advantages(advantages, None, metrics)
+
+
 # --- token-level estimators: returns over a rollout's action tokens ---------------------------
 
 
@@ -339,6 +360,7 @@ ADVANTAGE_ESTIMATORS = {
     "rloo": rloo,
     "grpo": grpo,
     "dr_grpo": dr_grpo,
+    "flash_reinforce": flash_reinforce,
     "gae": gae,
     "on_policy_distill": on_policy_distill,
 }

@@ -14,8 +14,14 @@ and `mode` what happens outside the band:
   clip   w_t = clip(rho_t, low, high), nothing dropped            (token level only)
   trunc  w_t = min(rho_t, high), nothing dropped, `low` unused    (token level only)
 seq and geo are rejection gates: they only drop, and the kept rows' tokens keep their per-token
-weight rho_t. The returned `weights` multiply the per-token policy loss; the returned `mask`
-replaces the loss mask (so dropped tokens leave the token-mean denominator too).
+weight rho_t. `gating` says what a gate compares (level seq only for the last two):
+  ratio      the sequence ratio (seq) or its geometric mean (geo) against the band
+  binary_kl  the row's mean over tokens of KL(Bern(q_t) || Bern(p_t)), q_t = pi_rollout(y_t),
+             p_t = pi_old(y_t): the two distributions collapsed to "this token or another"
+  tv         the row's mean of |p_t - q_t|, the total variation of those two Bernoullis
+and drops the row when its mean exceeds `threshold` (the ratio gate: when it leaves the band).
+The returned `weights` multiply the per-token policy loss; the returned `mask` replaces the
+loss mask (so dropped tokens leave the token-mean denominator too).
 """
 
 import math
@@ -25,10 +31,20 @@ import torch
 from torch import Tensor
 
 from molt_algos.advantages import AdvantageConfig
-from molt_algos.masked import masked_mean, masked_min_max, masked_sum, safe_log_ratio, to_floats
+from molt_algos.masked import (
+    LOG_RATIO_LIMIT,
+    masked_mean,
+    masked_min_max,
+    masked_sum,
+    safe_log_ratio,
+    to_floats,
+)
 
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("mask", "clip", "trunc")
+IS_GATINGS = ("ratio", "binary_kl", "tv")
+# Probabilities are kept inside [PROB_EPS, 1 - PROB_EPS] in the binary KL's logarithms.
+PROB_EPS = 1e-6
 
 
 @dataclass
@@ -50,10 +66,25 @@ def validate_is_correction(cfg: AdvantageConfig) -> None:
             f"IS correction level={level!r} is a rejection gate: it supports mode 'mask' only, "
             f"not {mode!r}"
         )
-    if not cfg.is_correction_threshold > 1.0:
+    gating, threshold = cfg.is_correction_gating, cfg.is_correction_threshold
+    if gating not in IS_GATINGS:
+        raise ValueError(f"IS correction gating={gating!r} must be one of {IS_GATINGS}")
+    if gating != "ratio" and level != "seq":
         raise ValueError(
-            f"IS correction threshold={cfg.is_correction_threshold} must be > 1 (the band is "
+            f"IS correction gating={gating!r} gates whole sequences by their mean divergence: "
+            f"it needs level 'seq', not {level!r}"
+        )
+    if gating == "ratio" and not threshold > 1.0:
+        raise ValueError(
+            f"IS correction threshold={threshold} must be > 1 (the band is "
             "[1/threshold, threshold])"
+        )
+    if gating == "binary_kl" and not threshold > 0.0:
+        raise ValueError(f"IS correction threshold={threshold} must be > 0 (a binary KL bound)")
+    if gating == "tv" and not 0.0 < threshold < 1.0:
+        raise ValueError(
+            f"IS correction threshold={threshold} must lie in (0, 1) (a total-variation bound; "
+            "TV is at most 1)"
         )
 
 
@@ -81,6 +112,7 @@ def importance_correction(
 
     keep = mask
     weights = rho
+    gate_metrics: dict[str, Tensor] = {}
     if level == "off":
         weights = torch.ones_like(rho)
     elif level == "token" and mode == "mask":
@@ -89,12 +121,25 @@ def importance_correction(
         weights = rho.clamp(low, high)
     elif level == "token" and mode == "trunc":
         weights = rho.clamp(max=high)
-    else:  # seq / geo rejection gate; log-space comparison so long sequences cannot overflow
+    elif cfg.is_correction_gating == "ratio":  # seq / geo in log space: no overflow
         row_log_rho = torch.where(mask, log_rho, torch.zeros_like(log_rho)).sum(-1)
         if level == "geo":
             row_log_rho = row_log_rho / mask.sum(-1).clamp(min=1)
         inside = (row_log_rho >= math.log(low)) & (row_log_rho <= math.log(high))
         keep = mask & inside[:, None]
+    else:  # seq gate on the row's mean binary KL or TV of the sampled tokens
+        divergence = sampled_token_divergence(
+            old_logprobs, rollout_logprobs, mask, cfg.is_correction_gating
+        )
+        row_mean = _row_means(divergence, mask)
+        keep = mask & (row_mean <= cfg.is_correction_threshold)[:, None]
+        rows = mask.any(-1)
+        _, gate_high = masked_min_max(row_mean, rows)
+        name = cfg.is_correction_gating
+        gate_metrics = {
+            f"is/seq_{name}_mean": masked_mean(row_mean, rows),
+            f"is/seq_{name}_max": gate_high,
+        }
 
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     ratio_min, ratio_max = masked_min_max(rho, mask)
@@ -109,6 +154,37 @@ def importance_correction(
             "is/ratio_min": ratio_min,
             "is/ratio_mean": masked_mean(rho, mask),
             "is/ratio_max": ratio_max,
+            **gate_metrics,
         }
     )
     return Correction(weights, keep, metrics)
+
+
+def sampled_token_divergence(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, kind: str
+) -> Tensor:
+    """Per token, a divergence between pi_rollout and pi_old seen only through the sampled
+    token: with q = pi_rollout(y_t) and p = pi_old(y_t), `binary_kl` is
+    q log(q/p) + (1 - q) log((1 - q)/(1 - p)), `tv` is |p - q|. 0 outside `mask`; -inf, NaN
+    and positive log-probs are sanitised first (detached)."""
+    if kind not in ("binary_kl", "tv"):
+        raise ValueError(f"unknown sampled-token divergence {kind!r}; use 'binary_kl' or 'tv'")
+    log_p, log_q = _clean_logprobs(old_logprobs, mask), _clean_logprobs(rollout_logprobs, mask)
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "tv":
+        out = (p - q).abs()
+    else:  # float64: the two terms nearly cancel for close p and q
+        p, q = p.double().clamp(PROB_EPS, 1 - PROB_EPS), q.double().clamp(PROB_EPS, 1 - PROB_EPS)
+        out = q * (q.log() - p.log()) + (1 - q) * (torch.log1p(-q) - torch.log1p(-p))
+        out = out.clamp(min=0.0).float()  # >= 0 exactly; rounding can leave -1e-9
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def _clean_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
+    clean = torch.nan_to_num(logprobs.detach().float(), nan=0.0, neginf=-LOG_RATIO_LIMIT)
+    return torch.where(mask, clean.clamp(-LOG_RATIO_LIMIT, 0.0), torch.zeros_like(clean))
+
+
+def _row_means(values: Tensor, mask: Tensor) -> Tensor:
+    total = torch.where(mask, values, torch.zeros_like(values)).sum(-1)
+    return total / mask.sum(-1).clamp(min=1)

@@ -45,6 +45,9 @@ class Generation:
     routing_start: int = 0
     # The stop string (or stop token id) that ended generation, when one did (vLLM's stop_reason).
     stop_reason: str | int | None = None
+    # Per sampled token, the engine's top-k candidates (ids, log-probs as sampled), when asked.
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -53,6 +56,7 @@ class Generation:
                 f"Generation lists are misaligned: {n} ids, {len(self.logprobs)} logprobs, "
                 f"{len(self.weight_versions)} weight versions"
             )
+        _check_top(self.top_ids, self.top_logprobs, n, "Generation")
         if self.routed_experts is not None and len(self.routed_experts) < n - 1:
             raise ValueError(
                 f"Generation has {n} ids but {len(self.routed_experts)} routing rows: every "
@@ -65,6 +69,17 @@ class Generation:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Generation:
         return cls(**d)
+
+
+def _check_top(ids: list | None, logprobs: list | None, n: int, owner: str) -> None:
+    if (ids is None) != (logprobs is None):
+        raise ValueError(f"{owner}: top_ids and top_logprobs come together")
+    if ids is None or logprobs is None:
+        return
+    if len(ids) != n or len(logprobs) != n:
+        raise ValueError(f"{owner}: {n} tokens but {len(ids)} / {len(logprobs)} top-k rows")
+    if any(len(a) != len(b) for a, b in zip(ids, logprobs, strict=True)):
+        raise ValueError(f"{owner}: a top-k row has ids and log-probs of different lengths")
 
 
 @dataclass
@@ -92,6 +107,10 @@ class Segment:
     top_p: float = 1.0
     truncated: bool = False  # the context filled up: the episode was cut, not finished
     turns: list[TurnSpan] = field(default_factory=list)
+    # Per position, the engine's top-k candidates of a sampled token ([] elsewhere); None as a
+    # whole: the engine reported none (score centering asks for them).
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -104,6 +123,9 @@ class Segment:
         self.weight_versions += [PROMPT_VERSION] * len(ids)
         if self.routed_experts is not None:
             self.routed_experts += [None] * len(ids)
+        if self.top_ids is not None and self.top_logprobs is not None:
+            self.top_ids += [[] for _ in ids]
+            self.top_logprobs += [[] for _ in ids]
 
     def append_generation(self, gen: Generation, max_tokens: int) -> None:
         """The engine's answer to exactly this segment's tokens as the prompt."""
@@ -123,6 +145,15 @@ class Segment:
             self.routed_experts = rows
         elif self.routed_experts is not None:
             self.routed_experts += [None] * len(gen.token_ids)
+        if gen.top_ids is not None and gen.top_logprobs is not None:
+            if self.top_ids is None or self.top_logprobs is None:
+                self.top_ids = [[] for _ in range(start)]
+                self.top_logprobs = [[] for _ in range(start)]
+            self.top_ids += gen.top_ids
+            self.top_logprobs += gen.top_logprobs
+        elif self.top_ids is not None and self.top_logprobs is not None:
+            self.top_ids += [[] for _ in gen.token_ids]
+            self.top_logprobs += [[] for _ in gen.token_ids]
         self.turns.append(TurnSpan(start, len(self.token_ids), max_tokens, gen.finish_reason))
 
     @property

@@ -64,8 +64,11 @@ def weight_version_number(version: str) -> int:
     return 0 if version == INITIAL_VERSION else int(version)
 
 
-def parse_generation(reply: dict, prompt_len: int = 0, routing_start: int = 0) -> Generation:
-    """One vLLM generate reply -> Generation, checking every per-token list against the ids."""
+def parse_generation(
+    reply: dict, prompt_len: int = 0, routing_start: int = 0, top_k: int = 0
+) -> Generation:
+    """One vLLM generate reply -> Generation, checking every per-token list against the ids.
+    `top_k` > 0: each token's k most likely candidates too (`top_candidates`)."""
     choice = reply["choices"][0]
     token_ids = list(choice["token_ids"])
     n = len(token_ids)
@@ -93,7 +96,28 @@ def parse_generation(reply: dict, prompt_len: int = 0, routing_start: int = 0) -
         ),
         routing_start=routing_start,
         stop_reason=choice.get("stop_reason"),
+        **top_candidates(entries, top_k),
     )
+
+
+def top_candidates(entries: list[dict], k: int) -> dict:
+    """The k most likely candidates of each position, as Generation's `top_ids` and
+    `top_logprobs`. vLLM lists the sampled token first, then its top-k by rank, so the sampled
+    token may appear twice or be one more than k: keep each id once and the k largest."""
+    if k <= 0:
+        return {}
+    ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    for entry in entries:
+        best: dict[int, float] = {}
+        for candidate in entry.get("top_logprobs") or []:
+            best[int(candidate["token_id"])] = float(candidate["logprob"])
+        if not best:
+            raise GenerationError(f"asked for top-{k} log-probs, the engine returned none")
+        head = sorted(best.items(), key=lambda item: -item[1])[:k]
+        ids.append([token for token, _ in head])
+        logprobs.append([value for _, value in head])
+    return {"top_ids": ids, "top_logprobs": logprobs}
 
 
 def parse_routed_experts(
@@ -121,7 +145,9 @@ class TokenClient:
     """An async callable `(token_ids, SamplingParams, session_id) -> Generation`."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
-                 backoff_s: float = 0.5) -> None:  # fmt: skip
+                 backoff_s: float = 0.5, top_logprobs: int = 0) -> None:  # fmt: skip
+        """`top_logprobs` > 0: every reply carries each token's top-k candidates."""
+        self.top_logprobs = top_logprobs
         self.url = base_url.rstrip("/") + GENERATE_PATH
         self.version_url = base_url.rstrip("/") + "/weight_info"
         self.version_races = 0  # requests re-sent because a refit landed mid-request
@@ -141,7 +167,7 @@ class TokenClient:
                 "temperature": params.temperature,
                 "top_p": params.top_p,
                 "stop": list(params.stop),
-                "logprobs": 0,  # the sampled token's own log-prob, no alternatives
+                "logprobs": self.top_logprobs,  # 0: the sampled token's own log-prob alone
                 "skip_special_tokens": False,
                 # Routed experts (when the engine returns them) only past what the caller has.
                 "routed_experts_prompt_start": params.routing_start,
@@ -153,7 +179,9 @@ class TokenClient:
             )
             body["cache_salt"] = f"molt-v{version}"
             reply = await self._request("POST", self.url, headers, body)
-            generation = parse_generation(reply, len(token_ids), params.routing_start)
+            generation = parse_generation(
+                reply, len(token_ids), params.routing_start, self.top_logprobs
+            )
             if not generation.weight_versions or generation.weight_versions[0] == version:
                 return generation
             self.version_races += 1

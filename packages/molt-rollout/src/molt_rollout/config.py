@@ -10,6 +10,8 @@ from typing import Literal
 
 from molt_capture.server import MAX_REQUEST_BYTES
 
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs: the most candidates a request may ask
+
 # molt_capture.PARSERS, spelled out for the CLI (a test keeps the two equal).
 ParserName = Literal["qwen3", "qwen3_xml", "tokenizer"]
 
@@ -24,6 +26,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling; the trainer recomputes log-probs at it
     top_p: float = 1.0  # < 1 is refused with an IS correction (biased ratios)
     max_tokens: int | None = None  # per turn; None: what the budgets leave
+    top_logprobs: int = 0  # engine's top-k log-probs per sampled token (score centering); 0: off
     max_len: int = 2048  # tokens per rollout trace: prompt, replies, observations
     max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns
     max_turns: int = 8  # Env: generations per rollout
@@ -117,6 +120,11 @@ def _validate_rollouts(r: RolloutConfig) -> None:
             raise ValueError(f"--rollout.{name} must be > 0")
     if r.cpus_per_runner < 0:
         raise ValueError("--rollout.cpus_per_runner must be >= 0")
+    if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"--rollout.top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (vLLM's --max-logprobs "
+            f"default), got {r.top_logprobs}"
+        )
 
 
 def validate_engine_devices(vllm: VLLMConfig, on_gpu: bool) -> None:

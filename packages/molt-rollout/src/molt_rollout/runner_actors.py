@@ -32,7 +32,9 @@ class RunnerActor:
 
         runner_class = load_agent(agent)
         tokenizer = AutoTokenizer.from_pretrained(model)
-        client = TokenClient(router_url, model, request_timeout_s, max_retries)
+        client = TokenClient(
+            router_url, model, request_timeout_s, max_retries, top_logprobs=rollout.top_logprobs
+        )
         self.runner = runner_class(client, tokenizer, rollout, apply_chat_template)
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
         self.eval_runner = (

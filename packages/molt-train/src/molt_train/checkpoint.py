@@ -8,6 +8,8 @@ Layout under the checkpoint root:
       critic/ reference/ ...    one directory per actor group that was passed in
       driver_state.json         the loop's own state (step, data position, KL controller, ...)
     step_00000200.tmp/          a save in progress, or one a crash interrupted: never loaded
+    best_00000100/              --ckpt.best_metric: hard links to the best step's files
+    best -> best_00000100       swapped atomically when a later eval scores better
 
 A save writes everything into `step_N.tmp/`, flushes it to disk, then renames it to `step_N/`
 (a rename within one directory is atomic on POSIX file systems): a crash mid-save leaves the
@@ -28,6 +30,8 @@ import torch
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 DRIVER_STATE = "driver_state.json"
+BEST_LINK = "best"  # symlink to the best_N/ copy of the checkpoint the eval metric chose
+BEST_RECORD = "best.json"  # in best_N/: metric, mode, value, weight version
 SHARD_BYTES = 5 << 30  # safetensors shard size of an HF export
 
 
@@ -89,6 +93,88 @@ class CheckpointManager:
     def _prune(self) -> None:
         for old in self.checkpoints()[: -self.keep_last]:
             shutil.rmtree(old)
+
+    def checkpoint_of(self, step: int) -> Path | None:
+        """The complete checkpoint of `step` (weight version `step`), if it is still kept."""
+        path = self.root / f"step_{step:08d}"
+        return path if path.is_dir() else None
+
+    def promote_best(self, step: int, record: dict) -> str:
+        """Make checkpoint `step` the run's best: a hard-linked copy `best_N/` (it outlives
+        the pruning of `step_N/` and costs no space), then the symlink `best` swapped onto it
+        by an atomic rename, then older `best_*` removed. `record` (metric, value, version)
+        goes into its best.json. A crash leaves `best` on the old or the new copy, never on a
+        partial one."""
+        source = self.checkpoint_of(step)
+        if source is None:
+            raise FileNotFoundError(f"no checkpoint of step {step} under {self.root} to promote")
+        final = self.root / f"best_{step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        for stale in (tmp, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        shutil.copytree(source, tmp, copy_function=os.link)
+        with open(tmp / BEST_RECORD, "w") as f:
+            json.dump(record, f, indent=2)
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        link = self.root / BEST_LINK
+        tmp_link = self.root / (BEST_LINK + ".tmp")
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        tmp_link.symlink_to(final.name)
+        os.replace(tmp_link, link)
+        _fsync_dir(self.root)
+        for old in self.root.glob("best_*"):
+            if old != final and old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+        return str(final)
+
+    def best(self) -> str | None:
+        """The promoted best checkpoint (the target of `best`), if any."""
+        link = self.root / BEST_LINK
+        return str(link.resolve()) if link.is_symlink() and link.resolve().is_dir() else None
+
+
+class BestTracker:
+    """The best value of one eval metric so far, and the weight version that scored it.
+
+    An eval result is credited to the version whose weights it evaluated, not to the step at
+    which it arrives (an asynchronous eval may finish after later refits); `update` says
+    whether that version is the new best, and the caller promotes its checkpoint."""
+
+    def __init__(self, metric: str, mode: str = "max") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"best mode must be 'max' or 'min', got {mode!r}")
+        self.metric, self.mode = metric, mode
+        self.value: float | None = None
+        self.version: int | None = None
+
+    def better(self, value: float) -> bool:
+        if value != value:  # NaN never wins
+            return False
+        if self.value is None:
+            return True
+        return value > self.value if self.mode == "max" else value < self.value
+
+    def update(self, version: int, metrics: dict[str, float]) -> bool:
+        """Credit `metrics` (one eval's results) to weight `version`; True when it is the new
+        best (ties keep the earlier version)."""
+        value = metrics.get(self.metric)
+        if value is None or not self.better(float(value)):
+            return False
+        self.value, self.version = float(value), version
+        return True
+
+    def record(self) -> dict:
+        return {"metric": self.metric, "mode": self.mode, "value": self.value,
+                "version": self.version}  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.version = state.get("value"), state.get("version")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -3,7 +3,8 @@
 Every field is a dotted CLI flag (`--algo.advantage.estimator grpo`, `--fsdp.tp_size 2`); the
 CLI is generated from these classes (cli.py) and docs/flags.md from the same. Each setting has
 one owner, the lowest package that reads it: rollout, engine, router, refit, data and eval
-settings are molt-rollout's dataclasses, the estimator, IS, loss and KL settings molt-algos',
+settings are molt-rollout's dataclasses, the estimator, IS, loss, KL and reward-shaping
+settings molt-algos',
 the actor's are in actor_config.py; this module composes them and adds the loop's own.
 `validate_run_config` is the one start-up check of combinations: it raises naming the flags.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from molt_algos import (
     GROUP_ESTIMATORS,
@@ -22,9 +24,11 @@ from molt_algos import (
     KLConfig,
     LossConfig,
     PolicyLossName,
+    RewardConfig,
     validate_advantage_config,
     validate_is_correction,
     validate_loss_config,
+    validate_reward_config,
 )
 from molt_rollout import (
     ChatRunner,
@@ -79,9 +83,22 @@ class AlgoConfig:
     # How per-token losses become one scalar; None: the policy loss's own (molt_algos'
     # LOSS_AGGREGATION: seq-mean-token-mean for gspo, as its paper, token-mean otherwise).
     aggregation: AggregationName | None = None
+    entropy_aggregation: AggregationName | None = None  # entropy bonus; None: --algo.aggregation
+    kl_aggregation: AggregationName | None = None  # KL loss term; None: --algo.aggregation
+    value_aggregation: AggregationName | None = None  # critic (gae); None: --algo.aggregation
     dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # entropy bonus in the loss
+    score_centering: bool = False  # score minus the sampler's top-k expectation (centering.py)
+
+    def aggregation_of(self, loss: str) -> str:
+        """The aggregation mode of `loss`: policy, entropy, kl or value."""
+        own = {"policy": None, "entropy": self.entropy_aggregation,
+               "kl": self.kl_aggregation, "value": self.value_aggregation}[loss]  # fmt: skip
+        return own or self.aggregation
+
+    def aggregations(self) -> set[str]:
+        return {self.aggregation_of(loss) for loss in ("policy", "entropy", "kl", "value")}
 
 
 @dataclass
@@ -112,6 +129,8 @@ class CheckpointConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     save_on_exit: bool = True  # SIGTERM/SIGINT: checkpoint the last finished step, then stop
     export_hf: bool = True  # safetensors of the final policy, loadable by vLLM and HF
+    best_metric: str | None = None  # e.g. eval/pass@1: keep its best checkpoint as best/
+    best_mode: Literal["max", "min"] = "max"  # whether a larger or smaller best_metric wins
 
 
 def quickstart_data() -> DataConfig:
@@ -134,6 +153,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=quickstart_data)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -146,7 +166,7 @@ def resolved(cfg: RunConfig) -> RunConfig:
     algo = cfg.algo
     if algo.aggregation is None:
         algo = dataclasses.replace(algo, aggregation=LOSS_AGGREGATION[algo.policy_loss])
-    return dataclasses.replace(cfg, algo=algo)
+    return dataclasses.replace(cfg, algo=algo, reward=resolved_reward(cfg))
 
 
 def may_train_stale_tokens(cfg: RunConfig) -> bool:
@@ -165,14 +185,14 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
     already checked."""
     try:
         validate_algo(cfg)
+        validate_reward(cfg)
         validate_asynchrony(cfg)
         validate_actor_config(cfg.actor, cfg.fsdp)
         validate_rollout_config(cfg.rollout, cfg.vllm, cfg.router, cfg.refit)
         validate_data_config(cfg.data)
         validate_eval_config(cfg.eval)
         validate_logger_config(cfg.logger)
-        if cfg.ckpt.keep_last < 1 or cfg.ckpt.every_steps < 0:
-            raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
+        validate_checkpoints(cfg)
     except ValueError as error:
         raise StartupError(str(error)) from None
     if cluster_gpus is not None:
@@ -205,6 +225,8 @@ def validate_algo(cfg: RunConfig) -> None:
             "--algo.advantage.estimator on_policy_distill: the teacher is the reference model; "
             "add --ref.enable --ref.model_path TEACHER"
         )
+    if algo.score_centering:
+        validate_score_centering(cfg)
     if adv.is_correction_level != "off" and cfg.rollout.top_p < 1.0:
         raise ValueError(
             f"--algo.advantage.is_correction_level {adv.is_correction_level} with "
@@ -212,6 +234,58 @@ def validate_algo(cfg: RunConfig) -> None:
             "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
             "would be biased; use --rollout.top_p 1.0"
         )
+
+
+def validate_score_centering(cfg: RunConfig) -> None:
+    """--algo.score_centering reads the engine's top-k candidates and the hidden states."""
+    adv = cfg.algo.advantage
+    if cfg.rollout.top_logprobs < 1:
+        raise ValueError(
+            "--algo.score_centering subtracts the sampler's expected score over its top-k "
+            "head: set --rollout.top_logprobs k (e.g. 8)"
+        )
+    if adv.is_correction_level in ("seq", "geo"):
+        raise ValueError(
+            f"--algo.score_centering with --algo.advantage.is_correction_level "
+            f"{adv.is_correction_level}: centring corrects per token and composes with token IS "
+            "weights only; a sequence gate would mix the two corrections. Use level token or off"
+        )
+    if cfg.fsdp.tp_size > 1 or cfg.fsdp.ep_size > 1:
+        raise ValueError(
+            "--algo.score_centering computes candidate log-probs from the hidden states, which "
+            "--fsdp.tp_size > 1 or --fsdp.ep_size > 1 do not give: use 1 for both"
+        )
+
+
+def response_budget(cfg: RunConfig) -> int | None:
+    """The response-token budget of the overlong penalty: --reward.max_response_len, else
+    the rollout's limit on generated tokens (all turns), else its per-turn limit."""
+    rollout = cfg.rollout
+    for budget in (cfg.reward.max_response_len, rollout.max_response_tokens, rollout.max_tokens):
+        if budget is not None:
+            return budget
+    return None
+
+
+def resolved_reward(cfg: RunConfig) -> RewardConfig:
+    """The reward shaping as it runs: the overlong penalty's budget filled in."""
+    if cfg.reward.overlong_buffer_len <= 0:
+        return cfg.reward
+    return dataclasses.replace(cfg.reward, max_response_len=response_budget(cfg))
+
+
+def validate_reward(cfg: RunConfig) -> None:
+    """Length shaping (`--reward.*`): the overlong penalty needs a known budget."""
+    if cfg.reward.overlong_buffer_len > 0 and response_budget(cfg) is None:
+        raise ValueError(
+            f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} ramps a penalty up "
+            "to the response budget, which is unknown: set --reward.max_response_len, "
+            "--rollout.max_response_tokens or --rollout.max_tokens"
+        )
+    try:
+        validate_reward_config(resolved_reward(cfg))
+    except ValueError as error:
+        raise ValueError(f"--reward.*: {error}") from None
 
 
 def validate_asynchrony(cfg: RunConfig) -> None:
@@ -254,6 +328,24 @@ def validate_asynchrony(cfg: RunConfig) -> None:
         raise ValueError(
             "--train.routing_replay replays the experts the engines report: add "
             "--vllm.enable_return_routed_experts"
+        )
+
+
+def validate_checkpoints(cfg: RunConfig) -> None:
+    """Checkpoint cadence and the best-checkpoint metric, which evals must produce."""
+    ckpt = cfg.ckpt
+    if ckpt.keep_last < 1 or ckpt.every_steps < 0:
+        raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
+    if ckpt.best_metric is None:
+        return
+    if not ckpt.best_metric.startswith("eval/"):
+        raise ValueError(
+            f"--ckpt.best_metric {ckpt.best_metric!r}: the best checkpoint is chosen by an "
+            "eval metric, e.g. eval/pass@1 or eval/<data source>/pass@1"
+        )
+    if not cfg.eval.every_steps:
+        raise ValueError(
+            f"--ckpt.best_metric {ckpt.best_metric} needs evaluations: set --eval.every_steps"
         )
 
 

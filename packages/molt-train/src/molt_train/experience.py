@@ -16,13 +16,16 @@ import torch
 
 from molt_algos import (
     AdvantageBatch,
+    RewardConfig,
     compute_advantages,
     importance_correction,
     kl_estimate,
+    shape_rewards,
 )
 from molt_capture.types import Rollout, Segment
 from molt_rollout.pool import Batch
 from molt_train.config import AlgoConfig
+from molt_train.metrics import is_truncated
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 from molt_train.routing_replay import routing_array
@@ -52,6 +55,15 @@ def _routing(segment: Segment) -> np.ndarray:
     return routing_array(segment.routed_experts)
 
 
+def _heads(segment: Segment) -> tuple[list[list[int]], list[list[float]]]:
+    if segment.top_ids is None or segment.top_logprobs is None:
+        raise ValueError(
+            "--algo.score_centering: a rollout segment carries no top-k candidates (does the "
+            "run set --rollout.top_logprobs?)"
+        )
+    return segment.top_ids, segment.top_logprobs
+
+
 def make_experience(
     batch: Batch,
     version: int,
@@ -61,10 +73,12 @@ def make_experience(
     reference: ModelGroup | None = None,
     critic: ModelGroup | None = None,
     routing_replay: bool = False,
+    reward: RewardConfig | None = None,
 ) -> Experience:
     """Samples with advantages, old log-probs and IS weights for one training batch, trained
     at weight `version`. `kl_coef`: the current coefficient of KL in the reward.
-    `routing_replay`: the policy's forwards replay each segment's recorded MoE routing."""
+    `routing_replay`: the policy's forwards replay each segment's recorded MoE routing.
+    `reward`: length shaping of the rollouts' rewards before advantages (budget resolved)."""
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
     samples = [
@@ -73,6 +87,8 @@ def make_experience(
             loss_mask=s.trainable,
             temperature=s.temperature,
             routed_experts=_routing(s) if routing_replay else None,
+            head_ids=_heads(s)[0] if algo.score_centering else None,
+            head_logprobs=_heads(s)[1] if algo.score_centering else None,
         )
         for _, s in segments
     ]
@@ -95,11 +111,19 @@ def make_experience(
         kl = kl_estimate(old, ref, mask, algo.kl.estimator)
         metrics["ref/kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
 
+    shaped = shape_rewards(
+        torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        torch.tensor([sum(s.num_generated for s in r.segments) for r in rollouts]),
+        torch.tensor([is_truncated(r) for r in rollouts]),
+        reward or RewardConfig(),
+    )
+    metrics.update(shaped.metrics)
     group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
     rollout_index = {r.rollout_id: i for i, r in enumerate(rollouts)}
+    segment_rewards = [shaped.rewards[rollout_index[r.rollout_id]] for r, _ in segments]
     advantages = compute_advantages(
         AdvantageBatch(
-            rewards=torch.tensor([r.reward for r, _ in segments], dtype=torch.float32),
+            rewards=torch.stack(segment_rewards),
             action_mask=mask,  # advantages see every generated token; IS filtering is the loss's
             group_ids=torch.tensor([group_index[r.group_id] for r, _ in segments]),
             rollout_ids=torch.tensor([rollout_index[r.rollout_id] for r, _ in segments]),

@@ -29,7 +29,7 @@ from molt_rollout.runner_actors import RunnerActors
 from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.actor_config import ActorConfig
-from molt_train.checkpoint import CheckpointManager
+from molt_train.checkpoint import BestTracker, CheckpointManager
 from molt_train.config import (
     RunConfig,
     StartupError,
@@ -100,6 +100,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
     # ---- resume ----------------------------------------------------------------------------
     checkpoints = CheckpointManager(str(run_dir / "checkpoints"), cfg.ckpt.keep_last)
+    best = BestTracker(cfg.ckpt.best_metric, cfg.ckpt.best_mode) if cfg.ckpt.best_metric else None
     first_step = 0
     latest = checkpoints.latest() if cfg.ckpt.resume else None
     if latest is not None:
@@ -107,6 +108,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         first_step = state["step"]
         pool.load_state_dict(state["pool"])
         kl_ctl.load_state_dict(state["kl_controller"])
+        if best is not None and state.get("best"):
+            best.load_state_dict(state["best"])
         print(f"resumed from {latest} at step {first_step}")
     version = first_step  # the weight version is the number of optimizer steps taken
     if latest is not None:
@@ -124,7 +127,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     def save(step: int) -> None:
         nonlocal saved_step
         checkpoints.save(step, actors, {"step": step, "pool": pool.state_dict(),
-                                        "kl_controller": kl_ctl.state_dict()})  # fmt: skip
+                                        "kl_controller": kl_ctl.state_dict(),
+                                        "best": best and best.state_dict()})  # fmt: skip
         saved_step = step
 
     pool.start()
@@ -140,7 +144,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
             with stop.critical():  # a signal waits until the step is trained, logged and saved
                 experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
-                                             reference, critic, cfg.train.routing_replay)  # fmt: skip
+                                             reference, critic, cfg.train.routing_replay,
+                                             cfg.reward)  # fmt: skip
                 t_experience = time.perf_counter()
                 train_metrics = train_on(
                     experience.samples, experience.sample_groups, policy, critic, cfg
@@ -170,8 +175,14 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     / max(t_trained - t_experience, 1e-9),
                     "train/weight_version": float(version),
                 }
+                new_best = False
                 if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
-                    metrics.update(evaluate(eval_rows, runners, cfg))
+                    results = evaluate(eval_rows, runners, cfg)  # of the weights of `version`
+                    metrics.update(results)
+                    new_best = best is not None and best.update(version, results)
+                if best is not None and best.value is not None:
+                    metrics.update({"ckpt/best_value": best.value,
+                                    "ckpt/best_version": best.version})  # fmt: skip
                 logger.log(step + 1, metrics)
                 record_trained_prompts(run_dir, step + 1, batch)
                 logger.log_samples(step + 1, sample_rows(experience.rollouts, tokenizer,
@@ -179,8 +190,11 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                                          version - 1))  # trained at  # fmt: skip
                 done_step = step + 1
                 last = done_step == cfg.train.num_steps
-                if last or (cfg.ckpt.every_steps and done_step % cfg.ckpt.every_steps == 0):
+                if new_best or last or (cfg.ckpt.every_steps
+                                        and done_step % cfg.ckpt.every_steps == 0):  # fmt: skip
                     save(done_step)
+                if new_best:  # the weights of `version` are this step's checkpoint
+                    checkpoints.promote_best(version, best.record())
         if cfg.ckpt.export_hf:
             policy.export_hf(str(run_dir / "hf_policy"))
     except Exception:
@@ -215,16 +229,18 @@ def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: Model
              cfg: RunConfig) -> dict:  # fmt: skip
     """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
     metrics of the last step, plus the token count of all of them."""
-    chunks = _split_by_group(samples, groups, cfg.train.mini_batches)
+    chunks = _split_by_group(list(zip(samples, groups, strict=True)), groups,
+                             cfg.train.mini_batches)  # fmt: skip
     metrics: dict[str, float] = {}
     tokens = 0.0
     for _ in range(cfg.train.epochs_per_batch):
         for chunk in chunks:
-            metrics = policy.train_step(chunk, cfg.algo)
+            chunk_samples, chunk_groups = [s for s, _ in chunk], [g for _, g in chunk]
+            metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
             tokens += metrics.get("train/tokens", 0.0)
             if critic is not None:
                 critic_metrics = critic.train_step(
-                    chunk, cfg.algo, value_clip=cfg.critic.value_clip
+                    chunk_samples, cfg.algo, value_clip=cfg.critic.value_clip, groups=chunk_groups
                 )
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     metrics["train/tokens"] = tokens

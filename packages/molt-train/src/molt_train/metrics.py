@@ -33,7 +33,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "rollout/response_length_mean": fmean(response_lengths),
         "rollout/response_length_max": float(max(response_lengths)),
         "rollout/prompt_length_mean": fmean(_prompt_length(r.segments[0]) for r in rollouts),
-        "rollout/truncated_rate": fmean(_truncated(r) for r in rollouts),
+        "rollout/truncated_rate": fmean(is_truncated(r) for r in rollouts),
         "rollout/turns_mean": fmean(sum(len(seg.turns) for seg in r.segments) for r in rollouts),
         "rollout/segments_mean": fmean(len(r.segments) for r in rollouts),
     }
@@ -102,7 +102,7 @@ def _oldest_version(r: Rollout) -> int | None:
     )
 
 
-def _truncated(r: Rollout) -> bool:
+def is_truncated(r: Rollout) -> bool:
     """Cut rather than finished: a full context, or a last turn that hit its token limit."""
     last_turn = r.segments[-1].turns[-1] if r.segments[-1].turns else None
     length_cut = last_turn is not None and last_turn.finish_reason == "length"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from molt_algos import GROUP_AGGREGATIONS
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, plan_microbatches, unplan
@@ -21,6 +22,16 @@ if TYPE_CHECKING:
 
 Role = Literal["policy", "reference", "critic"]
 SHUTDOWN_TIMEOUT_S = 30.0  # then the workers are killed
+
+
+def group_token_counts(samples: list[Sample], groups: list | None) -> tuple[int, list[int]]:
+    """(prompt groups with a trained token, each sample's group's trained tokens) over the
+    window `samples`; `groups` None: every sample is a prompt of its own."""
+    of = list(range(len(samples))) if groups is None else groups
+    per_group: dict = {}
+    for sample, group in zip(samples, of, strict=True):
+        per_group[group] = per_group.get(group, 0) + sample.num_trained
+    return sum(1 for n in per_group.values() if n), [per_group[g] for g in of]
 
 
 class ModelGroup:
@@ -88,8 +99,9 @@ class ModelGroup:
             ray.get(done)
         return ray.get(refs)
 
-    def _per_rank(self, plan: list[list[list[int]]], samples: list[Sample]):
-        """The microbatches of each worker: TP ranks of one data-parallel group share theirs."""
+    def _per_rank(self, plan: list[list[list[int]]], samples: list):
+        """The microbatches of each worker (or any per-sample values laid out like them): TP
+        ranks of one data-parallel group share theirs."""
         tp = self.fsdp.tp_size
         return [
             [[samples[i] for i in mb] for mb in plan[rank // tp]]
@@ -118,20 +130,28 @@ class ModelGroup:
         algo: AlgoConfig,
         sft: bool = False,
         value_clip: float | None = None,
+        groups: list[str] | None = None,
     ) -> dict[str, float]:
         """ONE optimizer step over all `samples`; metrics averaged over ranks (rank 0's copy).
         The policy minimises `algo`'s loss (`sft`: the negative log-likelihood of the trained
         tokens instead, no advantages needed); a critic the value loss clipped at `value_clip`,
-        aggregated like `algo`'s. Samples carry what the loss needs (the loop's experience)."""
+        aggregated by `algo.aggregation_of("value")`. Samples carry what the loss needs (the loop's experience);
+        `groups` names each sample's prompt group (prompt-mean-token-mean; None: every sample
+        is a prompt of its own)."""
         plan = self._plan(samples)
         per_rank = self._per_rank(plan, samples)
         num_tokens = sum(s.num_trained for s in samples)
         num_sequences = sum(1 for s in samples if s.num_trained)
+        num_groups, group_tokens = 0, None
+        if algo.aggregations() & GROUP_AGGREGATIONS:
+            num_groups, tokens = group_token_counts(samples, groups)
+            group_tokens = self._per_rank(plan, tokens)
         results = self._all(
             lambda r, w: w.train_step.remote(
-                per_rank[r], num_tokens, num_sequences, algo, sft, value_clip
+                per_rank[r], num_tokens, num_sequences, algo, sft, value_clip, num_groups,
+                None if group_tokens is None else group_tokens[r],
             )
-        )
+        )  # fmt: skip
         return results[0]
 
     def full_state(self) -> dict:

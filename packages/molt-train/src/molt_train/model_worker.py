@@ -14,7 +14,7 @@ import random
 import resource
 import socket
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -23,7 +23,15 @@ from nemo_automodel.components.training.model_output_utils import get_final_hidd
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from molt_algos import POLICY_LOSSES, aggregate, kl_estimate, value_loss
+from molt_algos import (
+    CENTERING_METRICS,
+    POLICY_LOSSES,
+    AggregationWindow,
+    aggregate,
+    kl_estimate,
+    score_centering,
+    value_loss,
+)
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_algos.masked import masked_mean
 from molt_train.actor_config import (
@@ -49,6 +57,14 @@ if TYPE_CHECKING:
 from molt_train.routing_replay import install_replay_hooks, moe_routers, replaying
 
 
+class TokenStats(NamedTuple):
+    """Per-token results of one packed microbatch, as [S, L] rows aligned with token_ids."""
+
+    logprobs: Tensor  # log-probs of the sampled tokens (values, for a critic)
+    entropy: Tensor | None = None
+    head_logprobs: Tensor | None = None  # [S, L, K] log-probs of the `head_ids` candidates
+
+
 def packed_token_stats(
     model: torch.nn.Module,
     batch: PackedBatch,
@@ -56,16 +72,19 @@ def packed_token_stats(
     with_entropy: bool,
     critic: bool = False,
     from_hidden: bool = True,
-) -> tuple[Tensor, Tensor | None]:
+    head_ids: Tensor | None = None,
+) -> TokenStats:
     """Per-token log-probs of the temperature-scaled distribution (values, for a critic) and
-    entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids."""
+    entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids;
+    with `head_ids` [S, L, K] (from_hidden only), the log-probs of those candidates too."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
     if model.config._attn_implementation == DOCUMENT_ATTENTION and batch.cu_seqlens is not None:
         inputs.update(document_kwargs(batch.cu_seqlens, batch.lengths))
     targets = batch.input_ids[:, 1:]
     if critic:
         values = model(**inputs).logits[:, :-1, 0].float()
-        return batch.to_rows(shift_right(values)), None
+        return TokenStats(batch.to_rows(shift_right(values)))
+    head = None
     if from_hidden:
         # Project only one position in the model; log-probs come from the final hidden states
         # block by block, never holding [T, V] logits. Under FSDP2 the LM head stays gathered
@@ -85,7 +104,12 @@ def packed_token_stats(
         logprobs, entropy = token_logprobs_and_entropy(
             hidden, weight, targets, batch.temperature, chunk_size, with_entropy
         )
+        rows = batch.to_rows(shift_right(logprobs))
+        if head_ids is not None:
+            head = candidate_logprobs(hidden, weight, batch, rows, head_ids)
     else:
+        if head_ids is not None:
+            raise ValueError("candidate log-probs need the hidden-state path (no TP, no EP)")
         # Under TP the LM head is vocabulary-sharded and its logits come out as a DTensor:
         # gather them (the gradient goes back to each rank's own vocabulary slice).
         logits = model(**inputs).logits
@@ -94,8 +118,26 @@ def packed_token_stats(
         logprobs, entropy = logprobs_from_logits(
             logits[:, :-1], targets, batch.temperature, chunk_size, with_entropy
         )
-    rows = batch.to_rows(shift_right(logprobs))
-    return rows, None if entropy is None else batch.to_rows(shift_right(entropy))
+        rows = batch.to_rows(shift_right(logprobs))
+    return TokenStats(rows, None if entropy is None else batch.to_rows(shift_right(entropy)), head)
+
+
+def candidate_logprobs(
+    hidden: Tensor, weight: Tensor, batch: PackedBatch, rows: Tensor, head_ids: Tensor
+) -> Tensor:
+    """[S, L, K] log pi(j) of candidate ids at each position, from the hidden states
+    [R, T-1, H] (one packed row, or padded rows) that predict tokens 1..T-1 and the sampled
+    tokens' log-probs `rows` [S, L]: log pi(j) = (z_j - z_y) / tau + log pi(y), z = h . W.
+    It needs K rows of W per position, never the [T, V] logits (log pi(y) holds the
+    logsumexp)."""
+    states = torch.nn.functional.pad(hidden, (0, 0, 1, 0))  # position p: predicts token p
+    states = states.reshape(-1, states.shape[-1])[batch.row_index].float()  # [S, L, H]
+    weight = weight.float()
+    sampled = batch.input_ids.flatten()[batch.row_index]
+    z_sampled = (states * weight[sampled]).sum(-1)
+    z_heads = torch.einsum("slh,slkh->slk", states, weight[head_ids])
+    head = (z_heads - z_sampled[..., None]) / batch.temperature + rows[..., None]
+    return torch.where(batch.valid[..., None], head, torch.zeros_like(head))
 
 
 def packs_sequences(model: torch.nn.Module) -> bool:
@@ -326,7 +368,9 @@ class ModelWorker:
             return empty_batch(self.device, self.padded)
         return pack(samples, self.device, self.padded)
 
-    def _token_stats(self, batch: PackedBatch, with_entropy: bool):
+    def _token_stats(
+        self, batch: PackedBatch, with_entropy: bool, head_ids: Tensor | None = None
+    ) -> TokenStats:
         autocast = torch.autocast(self.device.type, DTYPES[self.cfg.dtype], enabled=self.autocast)
         with autocast:
             return packed_token_stats(
@@ -338,6 +382,7 @@ class ModelWorker:
                 # TP shards the LM head; under EP AutoModel keeps it out of the mixed-precision
                 # policy (fp32 next to bf16 hidden states): let the model project there.
                 from_hidden=self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1,
+                head_ids=head_ids,
             )
 
     @torch.no_grad()
@@ -348,7 +393,7 @@ class ModelWorker:
         for samples in microbatches:
             batch = self._batch(samples)
             with replaying(self.routers, batch.routing):
-                rows, _ = self._token_stats(batch, with_entropy=False)
+                rows = self._token_stats(batch, with_entropy=False).logprobs
             results.append(batch.to_lists(rows) if samples else [])
         self._reshard()
         return results
@@ -372,9 +417,13 @@ class ModelWorker:
         algo: AlgoConfig,
         sft: bool = False,
         value_clip: float | None = None,
+        num_groups: int = 0,
+        group_tokens: list[list[int]] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences`
-        count the whole step window (all ranks), so every microbatch's loss is its share of
+        """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences` /
+        `num_groups` count the whole step window (all ranks), and `group_tokens[i][k]` is the
+        window's token count of the prompt group of microbatch i's sample k (for
+        prompt-mean-token-mean; None otherwise), so every microbatch's loss is its share of
         one global mean (molt_algos.aggregation) and the update does not depend on the split."""
         from nemo_automodel.components.distributed.tp_replicas import (
             synchronize_tp_replica_gradients,
@@ -386,10 +435,17 @@ class ModelWorker:
             scale_grads_and_clip_grad_norm,
         )
 
-        def reduce(per_token: Tensor, mask: Tensor) -> Tensor:
-            return aggregate(
-                per_token, mask, algo.aggregation, num_tokens, num_sequences, self.dp_size
-            )
+        def reducer(i: int):
+            rows = None
+            if group_tokens is not None:  # an empty (padding) microbatch has one untrained row
+                rows = torch.tensor(group_tokens[i] or [1], dtype=torch.float32)
+            window = AggregationWindow(num_tokens, num_sequences, num_groups, rows)
+
+            def reduce(per_token: Tensor, mask: Tensor, loss: str) -> Tensor:
+                mode = algo.aggregation_of(loss)
+                return aggregate(per_token, mask, mode, dp_size=self.dp_size, window=window)
+
+            return reduce
 
         self.model.train()
         totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
@@ -401,6 +457,7 @@ class ModelWorker:
             batch = self._batch(samples)
             # Backward too: activation checkpointing reruns the forward there.
             with replaying(self.routers, batch.routing):
+                reduce = reducer(i)
                 if self.role == "critic":
                     loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
                 else:
@@ -450,7 +507,9 @@ class ModelWorker:
         """(loss to backpropagate, summed stats, per-token-mean stats) of one microbatch: the
         policy loss weighted by the IS weights, minus the entropy bonus, plus the KL penalty."""
         mask = batch.loss_mask
-        logprobs, entropy = self._token_stats(batch, with_entropy=True)
+        centring = algo.score_centering and not sft and batch.head_ids is not None
+        stats_ = self._token_stats(batch, True, batch.head_ids if centring else None)
+        logprobs, entropy = stats_.logprobs, stats_.entropy
         old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
         if sft:  # supervised: the negative log-likelihood of trained tokens
             per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
@@ -465,12 +524,19 @@ class ModelWorker:
             per_token, metrics = result.per_token, result.metrics
         if weights is not None:
             per_token = per_token * weights
-        policy_loss = reduce(per_token, mask)
+        if centring:  # molt_algos.centering: same value, the score centred on the sampler's head
+            per_token, centring_metrics = score_centering(
+                per_token, logprobs, stats_.head_logprobs, batch.head_logprobs, mask
+            )
+            metrics = {**metrics, **centring_metrics}
+        elif algo.score_centering and not sft:  # a padding microbatch: the same keys on every rank
+            metrics = {**metrics, **dict.fromkeys(CENTERING_METRICS, 0.0)}
+        policy_loss = reduce(per_token, mask, "policy")
         loss = policy_loss
         if algo.entropy_coef:
             # Only then: a zero coefficient would still send a (zero) gradient through the
             # entropy's part of every vocabulary slice in the log-prob backward.
-            loss = loss - algo.entropy_coef * reduce(entropy, mask)
+            loss = loss - algo.entropy_coef * reduce(entropy, mask, "entropy")
         stats = dict(metrics)
         stats["loss/entropy"] = masked_mean(entropy.detach(), mask).item()
         kl_cfg = algo.kl
@@ -479,7 +545,7 @@ class ModelWorker:
             kl = kl_estimate(
                 logprobs, logprobs.detach() if ref is None else ref, mask, kl_cfg.estimator
             )
-            loss = loss + kl_cfg.loss_coef * reduce(kl, mask)
+            loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
         return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats
 
@@ -487,12 +553,12 @@ class ModelWorker:
         self, batch: PackedBatch, reduce, value_clip: float | None
     ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
         """The critic's clipped value loss of one microbatch, with the same three outputs."""
-        values, _ = self._token_stats(batch, with_entropy=False)
+        values = self._token_stats(batch, with_entropy=False).logprobs
         old = batch.fields["old_values"]
         returns = _or_zeros(batch.fields["returns"], values)
         old = values.detach() if old is None else old
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
-        loss = reduce(result.per_token, batch.loss_mask)
+        loss = reduce(result.per_token, batch.loss_mask, "value")
         return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
 
     def _all_reduce_metrics(

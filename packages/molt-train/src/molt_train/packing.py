@@ -34,6 +34,10 @@ class Sample:
     # [tokens, layers, top_k] experts the engine routed each token to, -1 where it reported
     # none (--train.routing_replay; molt_train.routing_replay)
     routed_experts: np.ndarray | None = None
+    # Per token, the sampler's top-k candidates and their log-probs ([] where not sampled):
+    # --algo.score_centering (molt_algos.centering)
+    head_ids: list[list[int]] | None = None
+    head_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -45,6 +49,15 @@ class Sample:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries for {n} tokens")
+        if (self.head_ids is None) != (self.head_logprobs is None):
+            raise ValueError("head_ids and head_logprobs come together")
+        if self.head_ids is not None and self.head_logprobs is not None:
+            if len(self.head_ids) != n or len(self.head_logprobs) != n:
+                raise ValueError(f"head rows: {len(self.head_ids)} for {n} tokens")
+            if any(
+                len(a) != len(b) for a, b in zip(self.head_ids, self.head_logprobs, strict=True)
+            ):
+                raise ValueError("a head row has ids and log-probs of different lengths")
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise ValueError(f"routed_experts has {len(self.routed_experts)} rows for {n} tokens")
         if self.loss_mask[0]:
@@ -142,6 +155,8 @@ class PackedBatch:
     # [S + 1] int32 offsets of the sequences in a packed row (0, n_0, n_0 + n_1, ...), for
     # document-masked attention (molt_train.attention); None for padded rows
     cu_seqlens: Tensor | None = None
+    head_ids: Tensor | None = None  # [S, L, K] the sampler's candidates (0-padded)
+    head_logprobs: Tensor | None = None  # [S, L, K] their log-probs (-inf pads)
 
     @property
     def num_sequences(self) -> int:
@@ -208,6 +223,7 @@ def pack(
         cu_seqlens = torch.tensor([0, *lengths]).cumsum(0, dtype=torch.int32)
         if torch.device(device).type == "cuda":
             cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
+    head_ids, head_logprobs = _heads(samples, width)
     return PackedBatch(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
@@ -219,7 +235,27 @@ def pack(
         fields=fields_,
         routing=routing,
         cu_seqlens=cu_seqlens,
+        head_ids=None if head_ids is None else head_ids.to(device),
+        head_logprobs=None if head_logprobs is None else head_logprobs.to(device),
     )
+
+
+def _heads(samples: list[Sample], width: int) -> tuple[Tensor | None, Tensor | None]:
+    """The samples' candidate heads as [S, width, K] tensors, K the longest head row."""
+    present = [s.head_ids is not None for s in samples]
+    if not any(present):
+        return None, None
+    if not all(present):
+        raise ValueError("head_ids is set on some samples of a batch but not on others")
+    k = max(1, max(len(row) for s in samples for row in s.head_ids))
+    ids = torch.zeros(len(samples), width, k, dtype=torch.long)
+    logprobs = torch.full((len(samples), width, k), -float("inf"))
+    for i, s in enumerate(samples):
+        for t, (row_ids, row_lps) in enumerate(zip(s.head_ids, s.head_logprobs, strict=True)):
+            if row_ids:
+                ids[i, t, : len(row_ids)] = torch.tensor(row_ids)
+                logprobs[i, t, : len(row_lps)] = torch.tensor(row_lps)
+    return ids, logprobs
 
 
 def empty_batch(device: torch.device | str = "cpu", padded: bool = False) -> PackedBatch:
