@@ -152,7 +152,10 @@ class EngineGroup:
         return self.urls
 
     def check(self) -> None:
-        ray.get([a.check.remote() for a in self.actors], timeout=30)
+        try:
+            ray.get([a.check.remote() for a in self.actors], timeout=30)
+        except ray.exceptions.RayTaskError as error:  # the engine's own error, not Ray's frame
+            raise error.cause from None
 
     def pids(self) -> list[int | None]:
         return ray.get([a.pid.remote() for a in self.actors], timeout=30)
