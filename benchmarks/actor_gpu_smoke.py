@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from actor_vs_automodel import rl_algo  # the loop's loss settings (benchmarks/ is on the path)
 
 
 def write_random_model(path: str, args) -> None:
@@ -121,15 +122,13 @@ def routing_replay_check(worker, vocab: int, experts: int) -> dict:
         with_routing = dataclasses.replace(sample, routed_experts=routing)
         return np.array(worker.forward_logprobs([[with_routing]])[0][0])
 
-    from molt_algos import LossConfig
-
     results = {
         "replay_routers": len(worker.routers),
         "replay_own_max_abs_diff": float(np.abs(replayed(own) - plain).max()),
         "replay_other_max_abs_diff": float(np.abs(replayed(other) - plain).max()),
     }
     with_routing = dataclasses.replace(sample, routed_experts=own, old_logprobs=plain.tolist())
-    step = worker.train_step([[with_routing]], with_routing.num_trained, 1, "ppo", LossConfig())
+    step = worker.train_step([[with_routing]], with_routing.num_trained, 1, rl_algo())
     return {**results, "replay_step_grad_norm": step["train/grad_norm"]}
 
 
@@ -165,8 +164,13 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from molt_algos import LossConfig
-    from molt_train.model_group import ActorConfig, FSDPConfig, OptimConfig, validate_actor_config
+    from molt_train.actor_config import (
+        ActorConfig,
+        FSDPConfig,
+        OptimConfig,
+        validate_actor_config,
+        validate_actor_devices,
+    )
     from molt_train.model_worker import ModelWorker
     from molt_train.packing import plan_microbatches
 
@@ -185,7 +189,8 @@ def main() -> None:
     fsdp = FSDPConfig(tp_size=args.tp, ep_size=args.ep, offload=args.offload)
     on_gpu = not args.cpu
     gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else 0
-    validate_actor_config(cfg, fsdp, gpus)
+    validate_actor_config(cfg, fsdp)
+    validate_actor_devices(cfg, fsdp, gpus)
     worker = ModelWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
 
     def sync() -> None:
@@ -228,7 +233,7 @@ def main() -> None:
     for _ in range(args.steps):
         sync()
         start = time.perf_counter()
-        metrics = worker.train_step(mine, num_tokens, num_sequences, "ppo", LossConfig())
+        metrics = worker.train_step(mine, num_tokens, num_sequences, rl_algo())
         sync()
         step_times.append(time.perf_counter() - start)
     tokens = sum(len(s.token_ids) for s in samples)
