@@ -63,7 +63,7 @@ def test_modes_ties_and_missing_values():
 
 
 def test_promoting_a_checkpoint_that_is_gone_fails(tmp_path):
-    manager = CheckpointManager(str(tmp_path))
+    manager = CheckpointManager(str(tmp_path), keep_last=2)
     with pytest.raises(FileNotFoundError):
         manager.promote_best(5, {})
     assert manager.best() is None

@@ -84,7 +84,7 @@ def test_logprob_inputs_take_the_autocast_dtype(tmp_path, monkeypatch):
     monkeypatch.setattr(model_worker, "token_logprobs_and_entropy", spy)
     model_worker.packed_token_stats(model, batch, 4, True)
     with torch.autocast("cpu", torch.bfloat16):
-        rows, _ = model_worker.packed_token_stats(model, batch, 4, True)
+        rows = model_worker.packed_token_stats(model, batch, 4, True).logprobs
     rows.sum().backward()
     assert seen == [(torch.float32,) * 2, (torch.bfloat16,) * 2]
     assert model.lm_head.weight.grad.dtype == torch.float32  # the master weight's gradient
@@ -107,7 +107,7 @@ def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(logprobs_module, "_coefficients", spy)
 
-    def reduce(per_token, mask):
+    def reduce(per_token, mask, loss):
         return (per_token * mask).sum() / mask.sum()
 
     algo = AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
