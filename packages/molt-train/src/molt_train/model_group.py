@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from molt_train.config import AlgoConfig
 
 Role = Literal["policy", "reference", "critic"]
-SHUTDOWN_TIMEOUT_S = 30.0  # then the workers are killed
+SHUTDOWN_TIMEOUT_S = 10.0  # then the workers are killed (a healthy rank needs about 1 s)
 
 
 def group_token_counts(samples: list[Sample], groups: list | None) -> tuple[int, list[int]]:
