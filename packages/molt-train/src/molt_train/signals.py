@@ -30,6 +30,7 @@ class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._failure: BaseException | None = None
+        self._failure_raised = False
         self._holding = False
         self._previous: dict[int, object] = {}
 
@@ -41,14 +42,22 @@ class GracefulStop:
         return self
 
     def fail(self, error: BaseException) -> None:
-        """From another thread (the engine watchdog): raise `error` in the main thread now, even
-        inside a critical part, which cannot finish (a refit waiting on a dead engine)."""
+        """From another thread (the engine watchdog): a critical part in progress cannot finish
+        (a refit waiting on a dead engine), so `error` is raised in the main thread now; one
+        about to start raises it as it starts. Outside them the caller ends the wait itself
+        (the pool), and `error` is raised once only."""
         self._failure = error
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        if self._holding:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     def _on_failure(self, signum: int, frame) -> None:
-        if self._failure is not None:
-            raise self._failure
+        if self._holding:  # else the step ended meanwhile: the pool raises it instead
+            self._raise_failure()
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
@@ -64,6 +73,7 @@ class GracefulStop:
 
     @contextlib.contextmanager
     def critical(self):
+        self._raise_failure()
         self._holding = True
         try:
             yield
