@@ -351,11 +351,13 @@ def rl_algo(entropy_coef: float = 0.0):
 
 @contextlib.contextmanager
 def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False):
-    """Levers on the worker, as patches of molt_train.model_worker's globals (restored after).
-    attn=None keeps the worker's own attention (molt_documents on GPU since the levers)."""
+    """Levers on the worker, as patches of molt_train.model_worker's and token_stats' globals
+    (restored after). attn=None keeps the worker's own attention (molt_documents on GPU since
+    the levers)."""
     import molt_train.model_worker as wm
+    import molt_train.token_stats as ts
 
-    orig_lp, orig_pack = wm.token_logprobs_and_entropy, wm.pack
+    orig_lp, orig_pack = ts.token_logprobs_and_entropy, wm.pack
     compute = wm.DTYPES[worker.cfg.dtype] if worker.on_gpu else torch.float32
 
     def logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy):
@@ -376,13 +378,13 @@ def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False
         set_documents(batch.lengths, device)
         return batch
 
-    wm.token_logprobs_and_entropy, wm.pack = logprobs, pack
+    ts.token_logprobs_and_entropy, wm.pack = logprobs, pack
     own_attn = worker.model.config._attn_implementation
     set_attn(worker.model, attn or own_attn)
     try:
         yield
     finally:
-        wm.token_logprobs_and_entropy, wm.pack = orig_lp, orig_pack
+        ts.token_logprobs_and_entropy, wm.pack = orig_lp, orig_pack
         set_attn(worker.model, own_attn)
 
 

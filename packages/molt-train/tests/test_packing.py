@@ -130,7 +130,7 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
     from transformers import AutoModelForCausalLM
 
     from molt_train.attention import enable_document_attention
-    from molt_train.model_worker import packed_token_stats, packs_sequences
+    from molt_train.token_stats import packed_token_stats, packs_sequences
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"
@@ -224,7 +224,7 @@ def test_candidate_logprobs_match_the_full_softmax(tiny_model, padded):
     log-prob equals log_softmax(z / tau)[j], value and gradient, packed or padded."""
     from transformers import AutoModelForCausalLM
 
-    from molt_train.model_worker import packed_token_stats
+    from molt_train.token_stats import packed_token_stats
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"

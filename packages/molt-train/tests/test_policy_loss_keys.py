@@ -7,8 +7,9 @@ import torch
 from molt_algos import AggregationWindow, aggregate
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.config import AlgoConfig
-from molt_train.model_worker import ModelWorker, TokenStats
+from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, empty_batch, pack
+from molt_train.token_stats import TokenStats
 
 
 def worker_with_fixed_logprobs() -> ModelWorker:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import molt_algos.logprobs as logprobs_module
-import molt_train.model_worker as model_worker
+import molt_train.token_stats as token_stats
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.config import AlgoConfig
 from molt_train.model_worker import ModelWorker, _unconverted_names
@@ -75,16 +75,16 @@ def test_logprob_inputs_take_the_autocast_dtype(tmp_path, monkeypatch):
     model = load(tmp_path)
     batch = pack(samples(model.config.vocab_size))
     seen = []
-    original = model_worker.token_logprobs_and_entropy
+    original = token_stats.token_logprobs_and_entropy
 
     def spy(hidden, weight, *args):
         seen.append((hidden.dtype, weight.dtype))
         return original(hidden, weight, *args)
 
-    monkeypatch.setattr(model_worker, "token_logprobs_and_entropy", spy)
-    model_worker.packed_token_stats(model, batch, 4, True)
+    monkeypatch.setattr(token_stats, "token_logprobs_and_entropy", spy)
+    token_stats.packed_token_stats(model, batch, 4, True)
     with torch.autocast("cpu", torch.bfloat16):
-        rows = model_worker.packed_token_stats(model, batch, 4, True).logprobs
+        rows = token_stats.packed_token_stats(model, batch, 4, True).logprobs
     rows.sum().backward()
     assert seen == [(torch.float32,) * 2, (torch.bfloat16,) * 2]
     assert model.lm_head.weight.grad.dtype == torch.float32  # the master weight's gradient
