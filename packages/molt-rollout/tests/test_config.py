@@ -112,7 +112,7 @@ def test_rejects_with_message_naming_the_flags(vllm, router, refit, flags):
     "changes",
     [{"groups_per_batch": 0}, {"n_samples_per_prompt": 0}, {"max_len": 0}, {"max_tokens": 0},
      {"temperature": 0.0}, {"top_p": 1.5}, {"deadline_s": 0.0}, {"num_runners": 0},
-     {"cpus_per_runner": -1.0}, {"startup_timeout_s": 0.0}],
+     {"cpus_per_runner": -1.0}, {"startup_timeout_s": 0.0}, {"max_request_bytes": 0}],
 )  # fmt: skip
 def test_rollout_settings_name_their_flag(changes):
     with pytest.raises(ValueError, match=f"--rollout.{next(iter(changes))}"):
