@@ -72,6 +72,13 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
           "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
+        (["--refit.backend", "ipc"], ["--refit.backend ipc", "--train.colocate"]),
+        (["--vllm.enable_sleep_mode"], ["--vllm.enable_sleep_mode", "--train.colocate"]),
+        (["--train.colocate", "--refit.backend", "nccl"], ["--train.colocate", "--refit.backend"]),
+        (["--train.colocate", "--vllm.num_engines", "2"],
+         ["--train.colocate", "--vllm.num_engines 1", "--vllm.tensor_parallel_size 1"]),
+        (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
+         ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_their_flags(argv, flags):
@@ -143,6 +150,24 @@ def test_more_gpus_than_the_cluster_has():
     cfg = _cfg(["--actor.num_workers", "4", "--vllm.num_engines", "4"])
     with pytest.raises(ValueError, match="asks for 8 GPUs.*has 2"):
         validate_run_config(cfg, cluster_gpus=2)
+
+
+def test_colocation_shares_the_gpus_and_needs_them():
+    cfg = _cfg(["--train.colocate", "--actor.num_workers", "1", "--ref.enable"])
+    validate_run_config(cfg, cluster_gpus=1)  # engine, policy and reference on one GPU
+    with pytest.raises(ValueError, match="--train.colocate shares GPUs.*has none"):
+        validate_run_config(cfg, cluster_gpus=0)
+    with pytest.raises(ValueError, match="asks for 2 GPUs"):
+        validate_run_config(_cfg(["--train.colocate", "--actor.num_workers", "2"]), cluster_gpus=1)
+
+
+def test_engine_memory_share_defaults_by_placement():
+    from molt_train.config import resolved
+
+    assert resolved(_cfg([])).vllm.gpu_memory_utilization == 0.85
+    assert resolved(_cfg(["--train.colocate"])).vllm.gpu_memory_utilization == 0.45
+    given = ["--train.colocate", "--vllm.gpu_memory_utilization", "0.3"]
+    assert resolved(_cfg(given)).vllm.gpu_memory_utilization == 0.3
 
 
 def test_routing_replay_needs_gpu_engines():

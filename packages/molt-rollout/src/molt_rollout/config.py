@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from molt_capture.server import MAX_REQUEST_BYTES
+from molt_rollout.vllm_compat import version_server_args
 
+GPU_MEMORY_UTILIZATION = 0.85  # an engine's share of its own GPUs
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.45  # ... of GPUs it shares with the trainer
 MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs: the most candidates a request may ask
 
 # molt_capture.PARSERS, spelled out for the CLI (a test keeps the two equal).
@@ -57,7 +60,10 @@ class VLLMConfig:
     enable_prefix_caching: bool = True  # reuse KV cache of shared prefixes (group prompts)
     enforce_eager: bool = False  # CUDA graphs off
     mtp_num_speculative_tokens: int = 0  # MTP speculative decoding (rollout only); 0 = off
-    gpu_memory_utilization: float = 0.85  # fraction of GPU memory the engine may take
+    # Fraction of GPU memory the engine may take; None: 0.85 on its own GPUs, 0.45 on GPUs
+    # shared with the trainer (--train.colocate).
+    gpu_memory_utilization: float | None = None
+    enable_sleep_mode: bool = False  # colocated: engine memory freed during the optimizer step
     dtype: str = "auto"  # engine weights' dtype (vLLM's --dtype); auto: the checkpoint's
     enable_return_routed_experts: bool = False  # for MoE routing replay
     extra_args: list[str] = field(default_factory=list)  # any other server flag, verbatim
@@ -83,7 +89,9 @@ class RouterConfig:
 class RefitConfig:
     """Weights from the trainer into the engines (`--refit.*`)."""
 
-    backend: Literal["auto", "nccl", "molt_gloo"] = "auto"  # auto: nccl on GPU, molt_gloo on CPU
+    # auto: ipc to an engine on the trainer's GPU (--train.colocate), nccl to engines on other
+    # GPUs, molt_gloo on CPU
+    backend: Literal["auto", "ipc", "nccl", "molt_gloo"] = "auto"
     bucket_mb: int = 512  # tensors per transfer call, by size
     timeout_s: float = 300.0  # every control-plane call and collective
     report_unupdated: bool = False  # checksum engine weights around a refit; report unchanged
@@ -154,7 +162,7 @@ def _validate_engines(vllm: VLLMConfig) -> None:
     for name in ("startup_timeout_s", "request_timeout_s"):
         if getattr(vllm, name) <= 0:
             raise ValueError(f"--vllm.{name} must be > 0")
-    if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
+    if vllm.gpu_memory_utilization is not None and not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
 
 
@@ -164,13 +172,13 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str) 
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--enable-scale-out",  # token-in/token-out endpoint
+        *version_server_args(),  # the token-in/token-out endpoint, weight versions
         "--logprobs-mode", "processed_logprobs",  # post-temperature, as the trainer recomputes
         "--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}',
         "--tensor-parallel-size", str(vllm.tensor_parallel_size),
         "--data-parallel-size", str(vllm.data_parallel_size),
         "--dtype", vllm.dtype,
-        "--gpu-memory-utilization", str(vllm.gpu_memory_utilization),
+        "--gpu-memory-utilization", str(vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION),
         "--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if vllm.enable_expert_parallel:
@@ -181,6 +189,8 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str) 
         args += ["--max-model-len", str(vllm.max_model_len)]
     if vllm.enforce_eager:
         args.append("--enforce-eager")
+    if vllm.enable_sleep_mode:
+        args.append("--enable-sleep-mode")
     if vllm.mtp_num_speculative_tokens > 0:
         spec = f'{{"method": "mtp", "num_speculative_tokens": {vllm.mtp_num_speculative_tokens}}}'
         args += ["--speculative-config", spec]

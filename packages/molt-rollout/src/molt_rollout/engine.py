@@ -56,6 +56,8 @@ class EngineServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
+        if self.transfer_backend == "ipc":  # CUDA-IPC handles arrive pickled over HTTP
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -131,15 +133,31 @@ class EngineActor:
         self.server.stop()
 
 
+COLOCATED_GPU_SHARE = 0.5  # Ray's bookkeeping only: memory is --vllm.gpu_memory_utilization
+
+
 class EngineGroup:
-    """The run's engines, started in parallel; `check()` raises EngineError for a dead one."""
+    """The run's engines, started in parallel; `check()` raises EngineError for a dead one.
+
+    `placement`: a Ray placement group of one-GPU bundles shared with the trainer
+    (--train.colocate); engine i then takes half of bundle i's GPU, whose other half the
+    trainer's rank i takes. None: each engine holds its own GPUs."""
 
     def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
-                 on_gpu: bool) -> None:  # fmt: skip
+                 on_gpu: bool, placement=None) -> None:  # fmt: skip
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         gpus = cfg.tensor_parallel_size * cfg.data_parallel_size if on_gpu else 0
         self.cfg = cfg
+        options = [{"num_gpus": gpus}] * cfg.num_engines
+        if placement is not None:
+            options = [
+                {"num_gpus": COLOCATED_GPU_SHARE, "scheduling_strategy":
+                 PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i)}
+                for i in range(cfg.num_engines)
+            ]  # fmt: skip
         self.actors = [
-            EngineActor.options(num_gpus=gpus).remote(
+            EngineActor.options(**options[i]).remote(
                 i, cfg, model, transfer_backend, log_dir, on_gpu
             )
             for i in range(cfg.num_engines)

@@ -12,10 +12,13 @@ Each phase is timed (`timing/refit_*`); every HTTP call and collective has a tim
 raises `RefitError`.
 
 Transports (the wire under `update_weights`): `GlooTransport`, Molt's CPU backend (see
-cpu_transport.py), and `NcclTransport`, vLLM's NCCL backend, on GPU. Both ship buckets of about
-`--refit.bucket_mb`, never one call per tensor.
+cpu_transport.py); `NcclTransport`, vLLM's NCCL backend, for engines on other GPUs; and
+`IpcTransport`, vLLM's CUDA-IPC backend, for engines sharing the trainer's GPU
+(`--train.colocate`). All ship buckets of about `--refit.bucket_mb`, never one call per tensor.
 """
 
+import base64
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from molt_rollout.buckets import BucketMeta, iter_buckets, pack
 from molt_rollout.config import RefitConfig
 from molt_rollout.engine import free_port
+from molt_rollout.vllm_compat import nccl_packed_fields
 
 
 class RefitError(RuntimeError):
@@ -83,8 +87,14 @@ class GlooTransport:
     def connect(self) -> None:
         self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
 
+    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+        return {}
+
     def send(self, tensors: list[torch.Tensor]) -> None:
         self.group.broadcast(pack(tensors), 0).wait()
+
+    def sent(self) -> None:
+        pass
 
 
 class NcclTransport:
@@ -97,11 +107,14 @@ class NcclTransport:
         self.world_size, self.bucket_bytes, self.address = world_size, bucket_bytes, address
         self.port = free_port()
         self.group = None
+        self.init_fields, self.update_fields = nccl_packed_fields(bucket_bytes)
 
     def worker_init_info(self, rank_offset: int) -> dict:
         return {"master_address": self.address, "master_port": self.port, "rank_offset": rank_offset,
-                "world_size": self.world_size, "packed": True,
-                "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": 2}  # fmt: skip
+                "world_size": self.world_size, **self.init_fields}  # fmt: skip
+
+    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+        return self.update_fields
 
     def connect(self) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
@@ -118,17 +131,58 @@ class NcclTransport:
         )  # fmt: skip
         torch.cuda.current_stream().synchronize()
 
+    def sent(self) -> None:
+        pass
+
+
+class IpcTransport:
+    """Trainer side of vLLM's CUDA-IPC backend, for engines on the trainer's own GPU: each
+    bucket's tensors are shared by handle in the `update_weights` call itself (no copy on
+    either side, no process group). The engine must allow pickled handles
+    (VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by engine.py for this backend)."""
+
+    backend = "ipc"
+
+    def __init__(self) -> None:
+        self.held: list[torch.Tensor] = []  # alive until every engine has loaded the bucket
+
+    def worker_init_info(self, rank_offset: int) -> dict:
+        return {}
+
+    def connect(self) -> None:
+        pass
+
+    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        self.held = [t.detach().contiguous() for t in tensors]
+        torch.cuda.current_stream().synchronize()  # the engine reads them from its own stream
+        handles = [{uuid: reduce_tensor(t)[1]} for t in self.held]
+        return {"packed": False,
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}  # fmt: skip
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        pass  # the handles travelled in the update call
+
+    def sent(self) -> None:
+        self.held = []
+        torch.cuda.ipc_collect()
+
 
 class Refitter:
     """Drives init once and then every refit across all engines."""
 
     def __init__(self, engine_urls: list[str], workers_per_engine: int, cfg: RefitConfig,
-                 on_gpu: bool) -> None:  # fmt: skip
+                 on_gpu: bool, colocated: bool = False) -> None:  # fmt: skip
         self.cfg = cfg
         self.engines = [EngineControl(url, cfg.timeout_s) for url in engine_urls]
         self.workers_per_engine = workers_per_engine
         world_size = 1 + workers_per_engine * len(engine_urls)
-        if transfer_backend(cfg, on_gpu) == "nccl":
+        backend = transfer_backend(cfg, on_gpu, colocated)
+        if backend == "ipc":
+            self.transport = IpcTransport()
+        elif backend == "nccl":
             self.transport = NcclTransport(
                 world_size, cfg.timeout_s, cfg.bucket_mb << 20, "127.0.0.1"
             )
@@ -212,17 +266,32 @@ class Refitter:
 
     def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor]) -> None:
         # Workers block inside update_weights until the broadcast arrives: run both at once.
-        update = {"update_info": asdict(meta)}
+        update = {"update_info": {**asdict(meta), **self.transport.bucket_fields(tensors)}}
         futures = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
         self.transport.send(tensors)
         for future in futures:
             future.result(timeout=self.cfg.timeout_s)
+        self.transport.sent()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
 
 
-def transfer_backend(cfg: RefitConfig, on_gpu: bool) -> str:
+def set_sleeping(engine_urls: list[str], sleeping: bool, mode: str, timeout_s: float) -> None:
+    """vLLM sleep mode, level 1 (weights to host memory, KV cache dropped), or wake up. `mode`
+    is the pause mode for requests in flight (see Refitter.refit)."""
+    for url in engine_urls:
+        engine = EngineControl(url, timeout_s)
+        if sleeping:
+            engine.post("/sleep", level=1, mode=mode)
+        else:
+            engine.post("/wake_up")
+
+
+def transfer_backend(cfg: RefitConfig, on_gpu: bool, colocated: bool = False) -> str:
+    """auto: CUDA IPC to engines on the trainer's GPUs, NCCL to others, gloo on CPU."""
     if cfg.backend != "auto":
         return cfg.backend
-    return "nccl" if on_gpu else GlooTransport.backend
+    if not on_gpu:
+        return GlooTransport.backend
+    return IpcTransport.backend if colocated else NcclTransport.backend

@@ -27,14 +27,16 @@ class RolloutService:
     @classmethod
     def start(cls, model: str, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig,
               log_dir: str, on_gpu: bool | None = None,
-              with_refitter: bool = True) -> "RolloutService":  # fmt: skip
+              with_refitter: bool = True, placement=None) -> "RolloutService":  # fmt: skip
         """Start engines (Ray must be initialised), then the router, then (with_refitter) the
         refit rendezvous in this process; the engines' weights are version 0. A trainer that
         sends weights from its own process passes with_refitter=False and builds a `Refitter`
         from `engine_urls` and `workers_per_engine` there. The configs were validated at
-        start-up (molt_rollout.config.validate_rollout_config)."""
+        start-up (molt_rollout.config.validate_rollout_config). `placement`: the GPU bundles
+        shared with the trainer when colocated (EngineGroup)."""
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-        engines = EngineGroup(vllm, model, transfer_backend(refit, on_gpu), log_dir, on_gpu)
+        backend = transfer_backend(refit, on_gpu, colocated=placement is not None)
+        engines = EngineGroup(vllm, model, backend, log_dir, on_gpu, placement)
         urls = engines.start()
         try:
             router_process = Router(router, urls, log_dir)

@@ -25,6 +25,7 @@ from molt_rollout import lifeline
 from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
+from molt_rollout.refit import set_sleeping
 from molt_rollout.runner_actors import RunnerActors
 from molt_rollout.service import RolloutService
 from molt_rollout.tiny_model import build_tiny_model
@@ -33,6 +34,8 @@ from molt_train.checkpoint import BestTracker, CheckpointManager
 from molt_train.config import (
     RunConfig,
     StartupError,
+    model_ranks,
+    model_roles,
     resolved,
     validate_agent,
     validate_devices,
@@ -41,7 +44,7 @@ from molt_train.config import (
 from molt_train.experience import make_experience
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
-from molt_train.model_group import ModelGroup
+from molt_train.model_group import ModelGroup, gpu_bundles
 from molt_train.signals import GracefulStop, Stopped
 
 
@@ -68,8 +71,10 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     cfg, run_dir = prepare_run_dir(cfg)
 
     # ---- generation: engines, router, agent runners, the streaming pool --------------------
-    rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
-                                   str(run_dir / "logs"), on_gpu, with_refitter=False)  # fmt: skip
+    # Colocated: one-GPU bundles that the engine and every model's rank i share.
+    bundles = gpu_bundles(max(model_ranks(cfg))) if cfg.train.colocate else None
+    rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
+                                   on_gpu, with_refitter=False, placement=bundles)  # fmt: skip
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
@@ -85,16 +90,19 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     )  # fmt: skip
 
     # ---- training: the policy, its refit link to the engines, reference and critic ---------
-    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
-    policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit)
+    # The engine takes half of each shared GPU in Ray's books, the models the other half.
+    share = None if bundles is None else (bundles, int(5000 / len(model_roles(cfg))) / 1e4)
+    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
+    policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles))
     actors = {"policy": policy}
     reference = critic = None
     if cfg.ref.enable:
         ref_cfg = dataclasses.replace(cfg.actor, model_path=cfg.ref.model_path or model,
                                       num_workers=cfg.ref.num_workers)  # fmt: skip
-        reference = ModelGroup(ref_cfg, cfg.fsdp, "reference", on_gpu)
+        reference = ModelGroup(ref_cfg, cfg.fsdp, "reference", on_gpu, colocation=share)
     if cfg.algo.advantage.estimator == "gae":
-        critic = ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu)
+        critic = ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu,
+                            colocation=share)  # fmt: skip
         actors["critic"] = critic
     kl_ctl = kl_controller(cfg.algo.advantage.kl_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
 
@@ -143,6 +151,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
             t_generated = time.perf_counter()
 
             with stop.critical():  # a signal waits until the step is trained, logged and saved
+                if cfg.vllm.enable_sleep_mode:  # the engine's memory is the trainer's meanwhile
+                    set_sleeping(rollout.engine_urls, True, pause_mode, cfg.refit.timeout_s)
                 experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
                                              reference, critic, cfg.train.routing_replay,
                                              cfg.reward)  # fmt: skip
@@ -151,6 +161,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     experience.samples, experience.sample_groups, policy, critic, cfg
                 )
                 t_trained = time.perf_counter()
+                if cfg.vllm.enable_sleep_mode:
+                    set_sleeping(rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s)
 
                 version += 1
                 refit_times = policy.refit(version, pause_mode)
@@ -213,6 +225,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
             if group is not None:
                 group.shutdown()
         rollout.shutdown()
+        if bundles is not None:
+            ray.util.remove_placement_group(bundles)
         print(format_final_message(paths, str(run_dir / "checkpoints")))
     return metrics
 

@@ -24,6 +24,16 @@ Role = Literal["policy", "reference", "critic"]
 SHUTDOWN_TIMEOUT_S = 10.0  # then the workers are killed (a healthy rank needs about 1 s)
 
 
+def gpu_bundles(n: int):
+    """A Ray placement group of `n` one-GPU bundles on as few nodes as possible, ready."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundles = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
+    ray.get(bundles.ready(), timeout=600)
+    return bundles
+
+
 def group_token_counts(samples: list[Sample], groups: list | None) -> tuple[int, list[int]]:
     """(prompt groups with a trained token, each sample's group's trained tokens) over the
     window `samples`; `groups` None: every sample is a prompt of its own."""
@@ -44,9 +54,12 @@ class ModelGroup:
         role: Role = "policy",
         on_gpu: bool | None = None,
         routing_replay: bool = False,
+        colocation: tuple | None = None,
     ) -> None:
         """`routing_replay`: forwards take each token's MoE routing from its Sample
-        (--train.routing_replay, molt_train.routing_replay). `cfg` was validated at start-up."""
+        (--train.routing_replay, molt_train.routing_replay). `colocation`: (placement group,
+        GPU share) when the role shares bundles with the engines and other roles
+        (--train.colocate; rank i in bundle i). `cfg` was validated at start-up."""
         import ray
 
         on_gpu = ray.cluster_resources().get("GPU", 0) > 0 if on_gpu is None else on_gpu
@@ -63,17 +76,19 @@ class ModelGroup:
 
         options = [{"num_cpus": 0}] * n  # CPU: workers must not hold the cores engines need
         if on_gpu:
-            from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            self.placement = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
-            ray.get(self.placement.ready(), timeout=600)
+            if colocation is None:  # rank i holds bundle i's GPU alone
+                self.placement = gpu_bundles(n)
+                bundles, share = self.placement, 1.0
+            else:
+                bundles, share = colocation
             options = [
                 {
-                    "num_gpus": 1,
-                    "num_cpus": 1,
+                    "num_gpus": share,
+                    "num_cpus": 0 if colocation else 1,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        self.placement, placement_group_bundle_index=i
+                        bundles, placement_group_bundle_index=i
                     ),
                 }
                 for i in range(n)
@@ -159,8 +174,10 @@ class ModelGroup:
         only (tests, debugging)."""
         return self._all(lambda r, w: w.full_state.remote())[0]
 
-    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
-        self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg))
+    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
+                   colocated: bool = False) -> None:  # fmt: skip
+        self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg,
+                                                   colocated))  # fmt: skip
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
         """New weights into every engine as `version` (after `init_refit`); rank 0's timings

@@ -531,13 +531,16 @@ class ModelWorker:
             optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
         return {"model": weights, "optim": optim, "steps": self.steps} if self.rank == 0 else None
 
-    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg) -> None:
-        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker."""
+    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
+                   colocated: bool = False) -> None:  # fmt: skip
+        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker
+        (`colocated`: the engine is on rank 0's GPU)."""
         if self.rank != 0:
             return
         from molt_rollout.refit import Refitter
 
-        self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu)
+        self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu,
+                                 colocated)  # fmt: skip
         self.refitter.init_transfer()
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
