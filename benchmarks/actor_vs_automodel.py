@@ -338,15 +338,10 @@ class Bare:
 
 
 def rl_algo(entropy_coef: float = 0.0):
-    """The run config's loss settings as the loop passes them: PPO, token-mean. The fields
-    train_step reads, without molt_train.config: it imports molt_rollout, whose capture server
-    needs uvicorn and fastapi, which the GPU kit's `train` set does not carry."""
-    from types import SimpleNamespace
+    """The run config's loss settings as the loop passes them: PPO, token-mean."""
+    from molt_train.config import AlgoConfig
 
-    from molt_algos import KLConfig, LossConfig
-
-    return SimpleNamespace(policy_loss="ppo", loss=LossConfig(), aggregation="token-mean",
-                           kl=KLConfig(), entropy_coef=entropy_coef)  # fmt: skip
+    return AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
 
 
 @contextlib.contextmanager

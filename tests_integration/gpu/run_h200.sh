@@ -11,6 +11,7 @@ if compgen -G ".gpu/extra/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl 2>&1 | tail -2
 fi
 for p in packages/*/src; do PYTHONPATH=$PWD/$p:$PYTHONPATH; done
+PYTHONPATH=$PWD/tests_integration/gpu:$PYTHONPATH  # Ray workers import the tests' actor classes
 export PYTHONPATH RAY_AUTH_MODE=disabled
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 timeout "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -s -p no:cacheprovider tests_integration/gpu "$@" \

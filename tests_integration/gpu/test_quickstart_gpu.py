@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 COLOCATED = ["--train.colocate", "--actor.num_workers", "1", "--vllm.dtype", "bfloat16",
-             "--vllm.enforce_eager", "--vllm.startup_timeout_s", "400"]  # fmt: skip
+             "--vllm.enforce_eager", "--vllm.startup_timeout_s", "400", "--logger.wandb_mode", "disabled"]  # fmt: skip
 
 
 def test_quickstart_learns_colocated(tmp_path):

@@ -90,3 +90,14 @@ def test_the_reaper_kills_every_descendant_of_a_killed_owner():
     owner.kill()  # not reaped yet: a zombie owner counts as gone
     assert wait_gone([grandchild], timeout_s=10) == []
     owner.wait()
+
+
+def test_a_killed_lifeline_takes_its_server():
+    """Ray SIGKILLs an ending actor's children, the lifeline among them: the server it started
+    must not outlive it."""
+    server = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    process = lifeline.spawn([sys.executable, "-c", server], grace_s=1.0, stdout=subprocess.PIPE)
+    pid = int(process.stdout.readline())
+    process.kill()  # the lifeline alone, no cleanup code of it runs
+    process.wait()
+    assert wait_gone([pid]) == []

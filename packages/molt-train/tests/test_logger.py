@@ -354,3 +354,14 @@ def test_sample_rows_decode_one_rollout_per_group_first(tokenizer):
     rows = sample_rows(rollouts, tokenizer, k=10)
     assert [row["response"] for row in rows] == ["4", "red", "5"]
     assert rows[2]["score"] == 0.25 and "version_lag" not in rows[2]
+
+
+def test_a_missing_logging_package_is_named_at_start_up(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))  # fmt: skip
+    with pytest.raises(ValueError, match="--logger.wandb_mode needs the wandb package.*disabled"):
+        validate_logger_config(LoggerConfig())
+    validate_logger_config(LoggerConfig(wandb_mode="disabled"))

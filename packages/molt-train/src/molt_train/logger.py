@@ -14,6 +14,7 @@ docs/logging.md lists every metric name.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import netrc
@@ -56,6 +57,12 @@ class LoggerConfig:
 
 def validate_logger_config(cfg: LoggerConfig) -> None:
     """Raise ValueError naming the flag of a setting that cannot work."""
+    for flag, on, module in (("--logger.wandb_mode", cfg.wandb_mode != "disabled", "wandb"),
+                             ("--logger.tensorboard", cfg.tensorboard, "tensorboard")):  # fmt: skip
+        if on and importlib.util.find_spec(module) is None:
+            off = "disabled" if module == "wandb" else "False"
+            raise ValueError(f"{flag} needs the {module} package, which is not installed: "
+                             f"pip install {module}, or {flag} {off}")  # fmt: skip
     if cfg.wandb_mode == "online" and not has_wandb_credentials():
         raise ValueError(
             "--logger.wandb_mode online needs a W&B API key: set WANDB_API_KEY or run "
