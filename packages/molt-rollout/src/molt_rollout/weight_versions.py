@@ -11,7 +11,7 @@ the same API from the server process, where it sees every refit pass through `/p
 - one that a refit overlapped is labelled with the newest version. Its first token then differs
   from the version the client salted the request with, so the client sends it again (its
   existing race rule, client.py): a kept request is regenerated rather than mislabelled. The
-  cost is the work in flight at each refit, counted in `rollout/version_races`.
+  cost is the work in flight at each refit (`TokenClient.version_races` counts the re-sends).
 
 Standard library only: it runs inside the vLLM server process.
 """

@@ -1,0 +1,206 @@
+"""Issue 17's rollout and refit measurement on one GPU: bare vLLM against Molt, same prompts.
+
+    python benchmarks/gpu_rollout.py --write /tmp/q3r     # random Qwen3-1.7B shape + prompts
+    python benchmarks/gpu_rollout.py --model /tmp/q3r --steps 3 --out $OUT
+
+The second command runs, one after the other on the same GPU:
+  bare: vLLM's own OpenAI server (the same engine flags Molt passes: dtype, memory share, CUDA
+        graphs), all prompts x samples sent at once to /v1/completions as token ids;
+  molt: `molt-train` colocated (--train.colocate, refit over CUDA IPC), synchronous
+        (--train.force_on_policy, so each step's generation has the GPU alone), the Env in
+        even_tokens_env.py, the same prompts and sampling;
+and prints generated tokens/s of both and their ratio (Molt / bare), Molt's refit phases and
+step breakdown (medians over the steps after the first), and `is/vllm_kl`.
+
+The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 B parameters,
+4.06 GB in bf16) with random weights, and Molt's tiny tokenizer widened to the same vocabulary
+(ids past its own are plain tokens `w<id>`, reachable by sampling only).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 151936
+MEMORY = "0.45"  # the engine's share beside the trainer (--train.colocate's default)
+
+
+def write(path: Path, prompts: int, tiny: bool = False) -> None:
+    """The random model (`tiny`: 2 narrow layers, to check this script on CPU), the widened
+    tokenizer and `prompts.jsonl`."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    from molt_capture.tiny_tokenizer import build_tiny_tokenizer
+
+    build_tiny_tokenizer(path)
+    own = len(PreTrainedTokenizerFast.from_pretrained(str(path)))
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["model"]["vocab"].update({f"w{i}": i for i in range(own, VOCAB)})
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128)  # fmt: skip
+    if tiny:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    config = Qwen3Config(vocab_size=VOCAB, **shape, tie_word_embeddings=False,
+                         max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(path))
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "river",
+        "stone",
+        "cloud",
+        "seven",
+        "orange",
+        "quiet",
+    ]
+    rng = random.Random(0)
+    with (path / "prompts.jsonl").open("w") as f:
+        for i in range(prompts):
+            text = " ".join(rng.choice(words) for _ in range(12))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{i}: {text}"}],
+                                "label": ""}) + "\n")  # fmt: skip
+    print(f"wrote {path}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+
+
+def prompt_ids(path: Path) -> list[list[int]]:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    rows = [json.loads(line) for line in (path / "prompts.jsonl").open()]
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for r in rows]  # fmt: skip
+
+
+def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
+    """vLLM's server alone: every prompt x sample at once; generated tokens per second."""
+    import httpx
+
+    from molt_rollout.engine import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+               "--port", str(port), "--dtype", "bfloat16", "--gpu-memory-utilization", MEMORY,
+               "--max-model-len", "2048"]  # fmt: skip
+    log = (out / "bare_server.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 600:
+            if server.poll() is not None:
+                raise RuntimeError(f"bare vLLM exited: see {out / 'bare_server.log'}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        startup = time.monotonic() - t0
+        prompts = prompt_ids(path)
+
+        async def run() -> tuple[int, float]:
+            limits = httpx.Limits(max_connections=None)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
+                async def one(ids):
+                    body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
+                            "temperature": 1.0, "top_p": 1.0}  # fmt: skip
+                    reply = await http.post(url + "/v1/completions", json=body)
+                    reply.raise_for_status()
+                    return reply.json()["usage"]["completion_tokens"]
+
+                await one(prompts[0])  # warm
+                t = time.perf_counter()
+                counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(samples)))
+                return sum(counts), time.perf_counter() - t
+
+        tokens, seconds = asyncio.run(run())
+        return {"startup_s": startup, "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> dict:
+    prompts = sum(1 for _ in (path / "prompts.jsonl").open())
+    flags = ["--actor.model_path", str(path), "--data.train_files", str(path / "prompts.jsonl"),
+             "--train.agent_path", str(HERE / "even_tokens_env.py"), "--train.colocate",
+             "--actor.num_workers", "1", "--train.force_on_policy", "--train.num_steps", str(steps),
+             "--rollout.groups_per_batch", str(prompts), "--rollout.n_samples_per_prompt",
+             str(samples), "--rollout.max_tokens", str(max_tokens), "--vllm.dtype", "bfloat16",
+             "--vllm.max_model_len", "2048", "--vllm.gpu_memory_utilization", MEMORY,
+             "--rollout.num_runners", "4", "--logger.wandb_mode", "disabled",
+             "--logger.tensorboard", "False", "--train.output_dir", str(out), "--logger.run_name",
+             "molt", "--ckpt.every_steps", "0"]  # fmt: skip
+    t0 = time.monotonic()
+    with (out / "molt.log").open("w") as log:
+        code = subprocess.call([sys.executable, "-m", "molt_train.cli", *flags], stdout=log,
+                               stderr=subprocess.STDOUT, env=dict(os.environ, RAY_AUTH_MODE="disabled"))  # fmt: skip
+    if code:
+        raise RuntimeError(f"molt-train exited {code}: see {out / 'molt.log'}")
+    rows = [json.loads(line) for line in (out / "molt" / "metrics.jsonl").open()]
+    later = rows[1:] or rows  # the first step also pays CUDA-graph and allocator warm-up
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in later if r.get(key) is not None)
+
+    tokens = [r["rollout/response_length_mean"] * r["rollout/count"] for r in later]
+    per_s = [t / r["timing/generation"] for t, r in zip(tokens, later, strict=True)]
+    keys = sorted(k for k in rows[-1] if k.startswith(("timing/", "is/")))
+    return {"wall_s": time.monotonic() - t0, "tokens_per_s": statistics.median(per_s),
+            "per_step_tokens_per_s": per_s, **{k: median(k) for k in keys},
+            "rewards": [r["rollout/reward_mean"] for r in rows]}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--write", type=Path, help="write the model and prompts here, then exit")
+    p.add_argument("--tiny", action="store_true", help="with --write: a tiny model (CPU check)")
+    p.add_argument("--model", type=Path)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", default="", help="bare or molt: leave that side out")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_rollout")))
+    args = p.parse_args()
+    if args.write:
+        write(args.write, args.prompts, args.tiny)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {}
+    if args.skip != "bare":
+        result["bare"] = bare(args.model, args.samples, args.max_tokens, args.out)
+        print("bare:", json.dumps(result["bare"]), flush=True)
+    if args.skip != "molt":
+        result["molt"] = molt(args.model, args.samples, args.max_tokens, args.steps, args.out)
+        print("molt:", json.dumps(result["molt"]), flush=True)
+    if len(result) == 2:
+        ratio = result["molt"]["tokens_per_s"] / result["bare"]["tokens_per_s"]
+        print(f"rollout ratio {ratio:.2f} (Molt tokens/s / bare vLLM tokens/s)")
+        result["ratio"] = ratio
+    (args.out / "gpu_rollout.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
