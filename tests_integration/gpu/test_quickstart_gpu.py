@@ -13,16 +13,26 @@ COLOCATED = ["--train.colocate", "--actor.num_workers", "1", "--vllm.dtype", "bf
              "--vllm.enforce_eager", "--vllm.startup_timeout_s", "400", "--logger.wandb_mode", "disabled"]  # fmt: skip
 
 
-def test_quickstart_learns_colocated(tmp_path):
-    cmd = [sys.executable, "-m", "molt_train.cli", "quickstart", *COLOCATED,
-           "--train.num_steps", "20", "--eval.every_steps", "10",
+def quickstart(tmp_path, *flags: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "molt_train.cli", "quickstart", *COLOCATED, *flags,
            "--train.output_dir", str(tmp_path), "--logger.run_name", "gpu"]  # fmt: skip
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").open()]
+    return [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").open()]
+
+
+def test_quickstart_learns_colocated(tmp_path):
+    rows = quickstart(tmp_path, "--train.num_steps", "20", "--eval.every_steps", "10")
     rewards = [r["rollout/reward_mean"] for r in rows]
     print("rewards:", [round(r, 3) for r in rewards])
     print("step s:", [round(r["timing/step_total"], 3) for r in rows])
     print("refit s:", [round(r["timing/refit_total"], 4) for r in rows])
     assert rewards[0] < 0.4 and sum(rewards[-3:]) / 3 > 0.75, rewards
+
+
+def test_sleep_mode_frees_the_engine_for_the_optimizer_step(tmp_path):
+    rows = quickstart(tmp_path, "--vllm.enable_sleep_mode", "--train.partial_rollout_enable",
+                      "False", "--train.num_steps", "3", "--eval.every_steps", "0")  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    print("sleep mode step s:", [round(r["timing/step_total"], 3) for r in rows])

@@ -75,6 +75,8 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--refit.backend", "ipc"], ["--refit.backend ipc", "--train.colocate"]),
         (["--vllm.enable_sleep_mode"], ["--vllm.enable_sleep_mode", "--train.colocate"]),
         (["--train.colocate", "--refit.backend", "nccl"], ["--train.colocate", "--refit.backend"]),
+        (["--train.colocate", "--vllm.enable_sleep_mode"],
+         ["--vllm.enable_sleep_mode", "--train.partial_rollout_enable False"]),
         (["--train.colocate", "--vllm.num_engines", "2"],
          ["--train.colocate", "--vllm.num_engines 1", "--vllm.tensor_parallel_size 1"]),
         (["--train.colocate", "--vllm.tensor_parallel_size", "2"],

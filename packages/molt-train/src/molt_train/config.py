@@ -369,6 +369,12 @@ def validate_colocation(cfg: RunConfig) -> None:
             raise ValueError("--vllm.enable_sleep_mode frees the engine's GPU memory for a "
                              "trainer on the same GPU: add --train.colocate")  # fmt: skip
         return
+    if vllm.enable_sleep_mode and cfg.train.partial_rollout_enable:
+        raise ValueError(
+            "--vllm.enable_sleep_mode drops the engine's KV cache for the optimizer step, so "
+            "requests kept across it (--train.partial_rollout_enable True) would lose theirs: "
+            "add --train.partial_rollout_enable False (in-flight requests finish first)"
+        )
     if backend not in ("auto", "ipc"):
         raise ValueError(f"--train.colocate with --refit.backend {backend}: the engine shares "
                          "the trainer's GPU, so weights go over CUDA IPC; use auto or ipc")  # fmt: skip
