@@ -114,6 +114,7 @@ class ModelWorker:
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
         self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
         self.refitter = None
+        self.unconverted: set[str] | None = None  # names revert_weight_conversion leaves alone
         self.optimizer = self.scheduler = None
         self.steps = 0
 
@@ -502,7 +503,9 @@ class ModelWorker:
 
         adapter = getattr(self.model, "state_dict_adapter", None)
         state = self.model.state_dict()
-        as_is = set() if adapter is not None else _unconverted_names(self.model, state)
+        if self.unconverted is None:  # the names never change: probe once (3 ms of 8, 1.7B)
+            self.unconverted = set() if adapter else _unconverted_names(self.model, state)
+        as_is = self.unconverted
         for name, tensor in state.items():
             if isinstance(tensor, DTensor):
                 # With offload the shards live on the host; gather on the device.
