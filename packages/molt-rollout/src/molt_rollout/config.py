@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from molt_capture.server import MAX_REQUEST_BYTES
-from molt_rollout.vllm_compat import version_server_args
+from molt_rollout.vllm_compat import native_weight_versions, version_server_args, vllm_version
 
 GPU_MEMORY_UTILIZATION = 0.85  # an engine's share of its own GPUs
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.45  # ... of GPUs it shares with the trainer
@@ -111,6 +111,11 @@ def validate_rollout_config(
         raise ValueError("--refit.timeout_s and --router.startup_timeout_s must be > 0")
     if refit.bucket_mb < 1:
         raise ValueError("--refit.bucket_mb must be >= 1")
+    if refit.report_unupdated and not native_weight_versions():
+        raise ValueError(
+            "--refit.report_unupdated checksums the engines' weights through /weight_checker, "
+            f"which the installed vLLM {'.'.join(map(str, vllm_version()))} does not have"
+        )
 
 
 def _validate_rollouts(r: RolloutConfig) -> None:
