@@ -72,6 +72,7 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
           "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
+        (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_their_flags(argv, flags):
@@ -196,6 +197,8 @@ def test_bad_flags_fail_fast_without_starting_anything():
     out = _molt_train("--rollout.n_samples_per_prompt", "1")
     assert out.returncode == 2
     assert "--rollout.n_samples_per_prompt" in out.stderr
+    out = _molt_train("--vllm.max_restarts", "0")
+    assert out.returncode == 2 and "--vllm.max_restarts" in out.stderr
     out = _molt_train("--no.such_flag", "1")
     assert out.returncode != 0 and "no.such_flag" in out.stderr
 

@@ -16,6 +16,7 @@ cpu_transport.py), and `NcclTransport`, vLLM's NCCL backend, on GPU. Both ship b
 `--refit.bucket_mb`, never one call per tensor.
 """
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -142,7 +143,8 @@ class Refitter:
         return [f.result(timeout=self.cfg.timeout_s) for f in futures]
 
     def init_transfer(self) -> None:
-        """Rendezvous the trainer (rank 0) with every engine worker; once per run."""
+        """Rendezvous the trainer (rank 0) with every engine worker: once per run, and again
+        (a new Refitter, after `release` of the old one) when an engine was restarted."""
         futures = [
             self.pool.submit(engine.post, "/init_weight_transfer_engine",
                              {"init_info": self.transport.worker_init_info(1 + i * self.workers_per_engine)})
@@ -217,6 +219,18 @@ class Refitter:
         self.transport.send(tensors)
         for future in futures:
             future.result(timeout=self.cfg.timeout_s)
+
+    def release(self) -> None:
+        """End this weight-transfer group on every engine still running, so a new Refitter can
+        rendezvous with them all (after an engine restart: vLLM's workers join one group at a
+        time). A dead or replaced engine has nothing to release; its error is ignored."""
+
+        def shutdown(engine: EngineControl) -> None:
+            with contextlib.suppress(RefitError):
+                engine.post("/shutdown_weight_transfer_engine")
+
+        self._on_all(shutdown)
+        self.close()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
