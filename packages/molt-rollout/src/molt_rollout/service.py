@@ -60,8 +60,12 @@ class RolloutService:
             raise
         return cls(model, vllm, engines, router_process, urls, workers, refitter)
 
-    def watch(self, on_failure: Callable[[EngineError], None],
-              on_restart: Callable[[], None] = lambda: None, every_s: float = 2.0) -> None:  # fmt: skip
+    def watch(
+        self,
+        on_failure: Callable[[EngineError], None],
+        on_restart: Callable[[], None] = lambda: None,
+        every_s: float = 2.0,
+    ) -> None:
         """Check the engines every `every_s` seconds on a daemon thread. A dead one is
         restarted (`restart_dead`) and `on_restart` called: the trainer then `rejoin`s it. When
         it cannot be (restarts off or used up, or the new server fails), `on_failure` gets the
