@@ -69,9 +69,11 @@ class LoadAgent(ChatAgent):
                 messages += [{"role": "assistant", "content": text},
                              {"role": "user", "content": "And once more?"}]  # fmt: skip
         engine = ENGINE_CALLS.pop(session_id)
+        cpu_s = time.process_time()  # this runner process's CPU so far, all its threads
         with (Path(ctx.row["trace_dir"]) / f"{os.getpid()}.jsonl").open("a") as f:
             for (sdk, stream), call in zip(sdk_s, engine, strict=True):
-                f.write(json.dumps({**call, "sdk_s": sdk, "stream": stream}) + "\n")
+                record = {**call, "sdk_s": sdk, "stream": stream, "cpu_s": cpu_s}
+                f.write(json.dumps(record) + "\n")
         return Result(reward=float(len(text)))
 
 
@@ -116,9 +118,16 @@ def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
         pool.close()
         runners.shutdown()
     wall_s = time.perf_counter() - t0
-    calls = [json.loads(line) for path in Path(trace_dir).glob("*.jsonl")
-             for line in path.read_text().splitlines()]  # fmt: skip
-    return {"errors": dict(errors), "calls": calls, "wall_s": wall_s}
+    calls, cpu_s, cpu_calls = [], 0.0, 0
+    for path in Path(trace_dir).glob("*.jsonl"):  # one file per runner process
+        mine = [json.loads(line) for line in path.read_text().splitlines()]
+        calls += mine
+        # The process's CPU between its first and last finished rollout, over the calls
+        # finished in between: what capture, the SDK clients and the actor cost per call.
+        cpu_s += mine[-1]["cpu_s"] - mine[0]["cpu_s"]
+        cpu_calls += sum(c["cpu_s"] > mine[0]["cpu_s"] for c in mine)
+    return {"errors": dict(errors), "calls": calls, "wall_s": wall_s,
+            "runner_cpu_per_call_s": cpu_s / max(cpu_calls, 1)}  # fmt: skip
 
 
 async def replay(service, calls: list[dict], concurrency: int) -> list[float]:
@@ -174,7 +183,8 @@ def main() -> None:
     added = [c["sdk_s"] - c["engine_s"] for c in calls]
     print(f"sessions in flight {args.sessions}, batches {args.steps}, model calls {len(calls)} "
           f"({sum(c['stream'] for c in calls)} streamed), wall {result['wall_s']:.1f} s, "
-          f"errors {sum(result['errors'].values())} {result['errors']}")  # fmt: skip
+          f"errors {sum(result['errors'].values())} {result['errors']}, runner-process CPU "
+          f"per call {result['runner_cpu_per_call_s'] * 1e3:.1f} ms")  # fmt: skip
     print("| latency (ms) | p50 | p99 |\n| --- | ---: | ---: |")
     rows = [("added by capture (SDK call - its engine call)", added),
             ("  streamed calls", [a for a, c in zip(added, calls, strict=True) if c["stream"]]),
