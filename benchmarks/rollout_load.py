@@ -165,8 +165,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    # address="local": a cluster of its own, never another job's that happens to be running.
+    ray.init(address="local", num_cpus=2, object_store_memory=512 << 20,
+             include_dashboard=False, log_to_driver=False)  # fmt: skip
     model = str(build_tiny_model(os.path.join(tempfile.gettempdir(), "molt-bench-tiny")))
     vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32")
     service = RolloutService.start(model, vllm, RouterConfig(), RefitConfig(), tempfile.mkdtemp(),
