@@ -4,13 +4,20 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from molt_capture.types import SamplingParams
+from molt_rollout.agent import Dropped
 from molt_rollout.client import GenerationError, TokenClient
-from molt_rollout.config import VLLMConfig
+from molt_rollout.config import RolloutConfig, VLLMConfig
 from molt_rollout.engine import EngineError, EngineGroup
+from molt_rollout.loader import load_agent
+
+AGENTS = Path(__file__).parent / "agents"
+ROW = {"prompt": [{"role": "user", "content": "What is 1 plus 1?"}], "label": "2"}
 
 
 def test_killed_engine_gives_clear_error_within_seconds(ray_cluster, tiny_model, tmp_path):
@@ -43,6 +50,17 @@ def test_killed_engine_gives_clear_error_within_seconds(ray_cluster, tiny_model,
         with pytest.raises(GenerationError, match="after 3 attempts"):
             asyncio.run(generate())
         assert time.monotonic() - start < 5
+
+        # A rollout on the dead engine drops, counted as `engine_error`, in both agent forms.
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        for agent in ("single_turn_env.py", "openai_chat_agent.py"):
+            client = TokenClient(url, tiny_model, timeout_s=10, max_retries=1, backoff_s=0.1)
+            runner = load_agent(str(AGENTS / agent))(client, tokenizer, RolloutConfig(max_len=512))
+            try:
+                dropped = asyncio.run(runner.run(ROW, rollout_id="r0", group_id="g0"))
+            finally:
+                runner.close()
+            assert isinstance(dropped, Dropped) and dropped.reason == "engine_error", dropped
     finally:
         engines.shutdown()
 

@@ -192,17 +192,25 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def engine_servers(tree: list[psutil.Process]) -> list[psutil.Process]:
+    servers = []
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
+                servers.append(p)
+    return servers
+
+
 def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
-    """No hang: the engine watchdog stops the run with the engine's own log tail, and the run
-    still shuts everything down."""
+    """With restarts off: no hang, the engine watchdog stops the run with the engine's own log
+    tail, and the run still shuts everything down."""
     run = tmp_path / "engine_death"
-    process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200"])
+    process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200",
+                                        "--vllm.restart_on_failure", "False"])  # fmt: skip
     try:
         wait_for(run, "metrics.jsonl", process)
         tree, ports = run_processes(process)
-        (server,) = [
-            p for p in tree if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-        ]
+        (server,) = engine_servers(tree)
         t0 = time.monotonic()
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
         process.wait(timeout=120)
@@ -215,6 +223,54 @@ def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path):
+    """--vllm.restart_on_failure (the default): the engine killed mid-run gets a new server,
+    which the trainer refits to its current weights before the router sends it anything; every
+    step is trained. On policy (force_on_policy requeues a group of any other version, so a
+    new engine reporting the wrong version would stall the run), the tokens after the restart
+    carry the trainer's version, and their log-probs match the trainer's (is/vllm_kl): the new
+    engine holds the trained weights, not the checkpoint's. Two engines: the survivor leaves
+    the old weight-transfer group and joins the new one. The new server ends with the run."""
+    run = tmp_path / "engine_restart"
+    flags = [*FAST, "--train.num_steps", "6", "--train.force_on_policy", "True",
+             "--rollout.groups_per_batch", "4", "--vllm.num_engines", "2"]  # fmt: skip
+    process = start_run(tmp_path, run, flags)
+    try:
+        wait_for(run, "metrics.jsonl", process)
+        while len(metrics(run)) < 2:  # two steps trained: the weights differ from the initial
+            assert process.poll() is None, output(run)[1][-3000:]
+            time.sleep(0.5)
+        servers = engine_servers(run_processes(process)[0])
+        server = servers[0]
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
+        killed_at = len(metrics(run))
+        new_servers = []
+        while not new_servers:  # the restart has begun: the run's processes now include it
+            assert process.poll() is None, output(run)[1][-3000:]
+            tree, ports = run_processes(process)
+            new_servers = [p for p in engine_servers(tree) if p not in servers]
+            time.sleep(0.5)
+        process.wait(timeout=600)
+        _, err = output(run)
+        assert process.returncode == 0, err[-3000:]
+        assert "restarting engine" in err and "exited with code -9" in err
+        assert_nothing_left(tree, ports, within_s=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[-1]["engine/restarts"] == 1
+    after = [r for r in records if r["engine/restarts"] == 1]
+    assert len(after) >= 6 - killed_at - 1  # at most the step in progress ran on the old engine
+    for r in after:
+        assert r["pool/version_lag_max"] == 0 and abs(r["is/vllm_kl"]) < 1e-5, r
+    command = f"{sys.executable} -m vllm.entrypoints"  # each server's first log line
+    logs = [(run / "logs" / f"engine_{i}.log").read_text().splitlines() for i in range(2)]
+    starts = sorted(sum(line.startswith(command) for line in log) for log in logs)
+    assert starts == [1, 2]  # the killed engine's log holds both servers' lines
 
 
 def test_gae_critic_with_reference_kl(tmp_path):

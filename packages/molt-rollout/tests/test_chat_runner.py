@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
+from molt_capture.types import Rollout
 from molt_rollout.agent import (
     ChatAgent,
     ChatContext,
@@ -377,3 +378,22 @@ def test_with_sampling_shares_the_capture_server(make_runner):
     assert train_call.params.temperature == 1.0
     sibling.close()  # the owner's to stop, not the sibling's
     assert runner._server is not None
+
+
+def test_agent_raising_after_an_engine_failure_is_an_engine_error(make_runner):
+    """The capture server answers 502 when the engine call fails (a dead engine); whatever the
+    agent's SDK makes of it, the rollout is counted as `engine_error`, not as the agent's."""
+
+    class AsksOnce(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            async with client:
+                await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
+            return Result(reward=1.0)
+
+    runner, gen = make_runner(AsksOnce)
+    gen.fail_next = ConnectionError("engine 0 exited with code -9")
+    dropped = run(runner)
+    assert dropped.reason == "engine_error" and "InternalServerError" in dropped.detail
+    assert isinstance(run(runner, rollout_id="r1"), Rollout)  # the next rollout is unaffected
+    assert not runner._engine_failed  # nothing kept per finished rollout

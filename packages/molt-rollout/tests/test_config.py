@@ -87,6 +87,12 @@ def test_routed_experts_need_gpu_engines():
         (VLLMConfig(gpu_memory_utilization=1.01), None, None, ["--vllm.gpu_memory_utilization"]),
         (None, None, RefitConfig(bucket_mb=0), ["--refit.bucket_mb"]),
         (None, None, RefitConfig(bucket_mb=-512), ["--refit.bucket_mb"]),
+        (
+            VLLMConfig(max_restarts=0),
+            None,
+            None,
+            ["--vllm.max_restarts", "--vllm.restart_on_failure False"],
+        ),
     ],
     ids=[
         "routed-experts-with-mtp",
@@ -99,6 +105,7 @@ def test_routed_experts_need_gpu_engines():
         "gpu-mem-above-1",
         "bucket-0",
         "bucket-negative",
+        "max-restarts-0",
     ],
 )
 def test_rejects_with_message_naming_the_flags(vllm, router, refit, flags):

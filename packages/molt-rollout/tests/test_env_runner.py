@@ -267,7 +267,7 @@ def test_generator_failure_and_bad_result(tokenizer):
     runner, gen = make_runner(tokenizer, ExactAnswer, ["Hi."])
     gen.fail_next = ConnectionError("engine gone")
     dropped = run(runner)
-    assert dropped.reason == "generator_error" and "engine gone" in dropped.detail
+    assert dropped.reason == "engine_error" and "engine gone" in dropped.detail
 
     class NoResult(Env):
         async def step(self, state):

@@ -481,3 +481,25 @@ def test_a_failure_from_outside_stops_a_waiting_next_batch():
     time.sleep(0.2)
     assert len(launcher.tasks) == 2
     pool.close()
+
+
+def test_an_interrupt_wakes_next_batch_once_and_the_pool_keeps_running():
+    """A restarted engine (the watchdog calls `interrupt`): the waiting next_batch raises it so
+    the trainer can refit the engine; the groups in flight still come back, and the next call
+    hands them out."""
+
+    class Restarted(Exception):
+        pass
+
+    launcher = ManualLauncher()
+    pool = started(ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2,
+                   max_inflight_groups=2)  # fmt: skip
+    launcher.wait_launched(2)
+    waiting = in_thread(pool.next_batch, version=0, timeout_s=30)
+    pool.interrupt(Restarted())  # before or during the wait: raised once either way
+    with pytest.raises(Restarted):
+        waiting.result(timeout=30)
+    launcher.finish("p0")
+    launcher.finish("p1")
+    assert indices(pool.next_batch(version=0, timeout_s=30)) == [0, 1]
+    pool.close()

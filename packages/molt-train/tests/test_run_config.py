@@ -81,6 +81,7 @@ def _cfg(argv: list[str]) -> RunConfig:
          ["--train.colocate", "--vllm.num_engines 1", "--vllm.tensor_parallel_size 1"]),
         (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
          ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
+        (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_their_flags(argv, flags):
@@ -223,6 +224,8 @@ def test_bad_flags_fail_fast_without_starting_anything():
     out = _molt_train("--rollout.n_samples_per_prompt", "1")
     assert out.returncode == 2
     assert "--rollout.n_samples_per_prompt" in out.stderr
+    out = _molt_train("--vllm.max_restarts", "0")
+    assert out.returncode == 2 and "--vllm.max_restarts" in out.stderr
     out = _molt_train("--no.such_flag", "1")
     assert out.returncode != 0 and "no.such_flag" in out.stderr
 

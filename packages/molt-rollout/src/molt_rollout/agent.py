@@ -113,11 +113,12 @@ def _anthropic_tool(fn: dict[str, Any]) -> dict[str, Any]:
 class Dropped:
     """A rollout that produced nothing trainable; the pool counts `rollout/dropped/<reason>`.
 
-    Reasons: `agent_error` (the Env or ChatAgent raised), `generator_error` (the engine call
-    failed, Env form), `deadline`, `bad_result` (not a Result, or a non-finite reward),
-    `bad_row` (no prompt, or the chat template rejects it), `prompt_too_long`, `empty` (a
-    ChatAgent that never called the model), `session_busy` (a ChatAgent returned with a model
-    call still running). `detail` says what happened, for the log.
+    Reasons: `agent_error` (the Env or ChatAgent raised), `engine_error` (the engine call
+    failed: in the ChatAgent form, the agent raised after one did), `deadline`, `bad_result`
+    (not a Result, or a non-finite reward), `bad_row` (no prompt, or the chat template rejects
+    it), `prompt_too_long`, `empty` (a ChatAgent that never called the model), `session_busy`
+    (a ChatAgent returned with a model call still running). `detail` says what happened, for
+    the log.
     """
 
     reason: str

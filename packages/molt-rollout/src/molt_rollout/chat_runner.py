@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from molt_capture import CaptureServer, Generator, Session
+from molt_capture.errors import ParamRejected
 from molt_capture.types import Rollout, Segment
 
 from .agent import (
@@ -54,6 +55,9 @@ class ChatRunner:
         self.config = config or RolloutConfig()
         self._server: CaptureServer | None = None
         self._server_owner: ChatRunner | None = None  # set on a with_sampling() sibling
+        # Sessions whose engine call failed (a dead engine): their rollouts drop as
+        # `engine_error`, whatever the agent's SDK made of the 502. Shared with siblings.
+        self._engine_failed: set[str] = set()
 
     @property
     def server(self) -> CaptureServer:
@@ -64,7 +68,7 @@ class ChatRunner:
             cfg = self.config
             self._server = CaptureServer(
                 self.tokenizer,
-                self.generator,
+                self._generate,
                 parser=cfg.parser,
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 model_name=cfg.model_name,
@@ -72,6 +76,15 @@ class ChatRunner:
                 max_request_bytes=cfg.max_request_bytes,
             ).start()
         return self._server
+
+    async def _generate(self, ids: list[int], params, session_id: str):
+        try:
+            return await self.generator(ids, params, session_id)
+        except ParamRejected:
+            raise  # the agent's request, not the engine: the agent gets a 400
+        except Exception:
+            self._engine_failed.add(session_id)
+            raise
 
     def make_agent(self) -> ChatAgent:
         """One agent per rollout; override to pass constructor arguments."""
@@ -100,15 +113,17 @@ class ChatRunner:
             messages = row_messages(row)
             session = self._open(row)
             ctx = self._context(row, messages, session, rollout_id, group_id)
-            result = await within_deadline(self._run_agent(ctx), self.config.deadline_s)
+            result = await within_deadline(self._run_agent(ctx, session), self.config.deadline_s)
             agent_s = time.monotonic() - t0
             segments = await self._close(session)
             closed = True
         except RolloutDropped as d:
             return Dropped(d.reason, d.detail, rollout_id, group_id, time.monotonic() - t0)
         finally:
-            if session is not None and not closed:
-                self._discard(session)
+            if session is not None:
+                self._engine_failed.discard(session.id)
+                if not closed:
+                    self._discard(session)
         if not segments:
             return Dropped(
                 "empty", "the agent never called the model", rollout_id, group_id, agent_s
@@ -168,13 +183,14 @@ class ChatRunner:
             deadline_s=cfg.deadline_s,
         )
 
-    async def _run_agent(self, ctx: ChatContext) -> Result:
+    async def _run_agent(self, ctx: ChatContext, session: Session) -> Result:
         try:
             result = await self.make_agent().run(ctx)
         except RolloutDropped:
             raise  # the agent drops the rollout on purpose, with its own reason
         except Exception as e:
-            raise RolloutDropped("agent_error", describe(e)) from e
+            reason = "engine_error" if session.id in self._engine_failed else "agent_error"
+            raise RolloutDropped(reason, describe(e)) from e
         return check_result(result)
 
     async def _close(self, session: Session) -> list[Segment]:

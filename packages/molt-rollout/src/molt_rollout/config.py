@@ -71,6 +71,8 @@ class VLLMConfig:
     startup_timeout_s: float = 600.0  # every engine must answer by then
     request_timeout_s: float = 300.0  # one generate call
     max_retries: int = 3  # transient 5xx / connection errors, per call
+    restart_on_failure: bool = True  # a dead engine is restarted and refit; False: the run fails
+    max_restarts: int = 3  # engine restarts per run (all engines), with restart_on_failure
 
 
 @dataclass
@@ -164,6 +166,11 @@ def _validate_engines(vllm: VLLMConfig) -> None:
         )
     if vllm.max_retries < 0:
         raise ValueError("--vllm.max_retries must be >= 0")
+    if vllm.max_restarts < 1:
+        raise ValueError(
+            f"--vllm.max_restarts must be >= 1, got {vllm.max_restarts} "
+            "(--vllm.restart_on_failure False turns restarts off)"
+        )
     for name in ("startup_timeout_s", "request_timeout_s"):
         if getattr(vllm, name) <= 0:
             raise ValueError(f"--vllm.{name} must be > 0")

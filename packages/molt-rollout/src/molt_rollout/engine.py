@@ -63,7 +63,8 @@ class EngineServer:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         command += server_args(self.cfg, self.model, port, self.transfer_backend)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("w") as log:
+        # Appended to: a restarted engine's log keeps the lines of the death that caused it.
+        with self.log_path.open("a") as log:
             log.write(" ".join(command) + "\n")
             log.flush()
             # Tied to this actor's process: a killed driver (and so actor) leaves no server.
@@ -89,11 +90,17 @@ class EngineServer:
         )
 
     def raise_if_dead(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise EngineError(
-                f"engine {self.index} ({self.url}) exited with code {self.process.returncode}; "
-                f"last log lines of {self.log_path}:\n{log_tail(self.log_path)}"
-            )
+        if (error := self.exit_error()) is not None:
+            raise error
+
+    def exit_error(self) -> EngineError | None:
+        """The EngineError of a server that exited (with its log tail); None while it runs."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        return EngineError(
+            f"engine {self.index} ({self.url}) exited with code {self.process.returncode}; "
+            f"last log lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
 
     def healthy(self) -> bool:
         try:
@@ -120,8 +127,14 @@ class EngineActor:
     def start(self) -> str:
         return self.server.start()
 
-    def check(self) -> None:
-        self.server.raise_if_dead()
+    def exit_error(self) -> EngineError | None:
+        return self.server.exit_error()
+
+    def restart(self) -> str:
+        """A new server in place of a dead one (its process group ended first); its new URL.
+        It holds the model's initial weights until the trainer refits it."""
+        self.server.stop()
+        return self.server.start()
 
     def healthy(self) -> bool:
         return self.server.healthy()
@@ -137,7 +150,8 @@ COLOCATED_GPU_SHARE = 0.5  # Ray's bookkeeping only: memory is --vllm.gpu_memory
 
 
 class EngineGroup:
-    """The run's engines, started in parallel; `check()` raises EngineError for a dead one.
+    """The run's engines, started in parallel; `check()` raises EngineError for a dead one,
+    `restart(i)` replaces engine i's server.
 
     `placement`: a Ray placement group of one-GPU bundles shared with the trainer
     (--train.colocate); engine i then takes half of bundle i's GPU, whose other half the
@@ -170,10 +184,19 @@ class EngineGroup:
         return self.urls
 
     def check(self) -> None:
-        try:
-            ray.get([a.check.remote() for a in self.actors], timeout=30)
-        except ray.exceptions.RayTaskError as error:  # the engine's own error, not Ray's frame
-            raise error.cause from None
+        for error in self.dead().values():
+            raise error
+
+    def dead(self) -> dict[int, EngineError]:
+        """The engines whose server exited, by index, with their errors."""
+        errors = ray.get([a.exit_error.remote() for a in self.actors], timeout=30)
+        return {i: e for i, e in enumerate(errors) if e is not None}
+
+    def restart(self, index: int) -> str:
+        """Engine `index` on a new server; its new URL (also in `urls`)."""
+        url = ray.get(self.actors[index].restart.remote(), timeout=self.cfg.startup_timeout_s + 30)
+        self.urls[index] = url
+        return url
 
     def pids(self) -> list[int | None]:
         return ray.get([a.pid.remote() for a in self.actors], timeout=30)

@@ -194,12 +194,12 @@ class EnvRunner:
             # The rollout id is the session id: the router keeps a rollout on one engine.
             gen = await self.generator(list(ids), params, session_id)
         except Exception as e:
-            raise RolloutDropped("generator_error", describe(e)) from e
+            raise RolloutDropped("engine_error", describe(e)) from e
         finally:
             timings["generate"] += time.monotonic() - t
         if len(gen.token_ids) > params.max_tokens:
             raise RolloutDropped(
-                "generator_error",
+                "engine_error",
                 f"{len(gen.token_ids)} tokens generated for max_tokens={params.max_tokens}",
             )
         return gen

@@ -128,6 +128,7 @@ class RolloutPool:
         self._source_done = False
         self._error: BaseException | None = None  # stops the pool; next_batch raises it
         self._failure: BaseException | None = None  # from outside (`fail`): raised as it is
+        self._interrupt: BaseException | None = None  # from outside (`interrupt`): raised once
         self._runner_errors_in_row = 0
         self._counts: Counter[str] = Counter()  # pool/* counters since the previous batch
         self._dropped: Counter[str] = Counter()  # dropped rollouts by reason, same window
@@ -161,6 +162,14 @@ class RolloutPool:
             self._failure = self._failure or error
             self._cond.notify_all()
 
+    def interrupt(self, error: BaseException) -> None:
+        """Wake the trainer's side (a restarted engine waits for the trainer's weights):
+        `next_batch` raises `error` once, a waiting call now, else the next one. The pool
+        keeps running."""
+        with self._cond:
+            self._interrupt = error
+            self._cond.notify_all()
+
     def __enter__(self) -> RolloutPool:
         return self
 
@@ -174,7 +183,8 @@ class RolloutPool:
         version the batch will be trained from); hand them out sorted by prompt index.
 
         Raises TimeoutError after `timeout_s`, StopIteration when the source ran out before B
-        more groups could finish, RuntimeError when the pool stopped on an error.
+        more groups could finish, RuntimeError when the pool stopped on an error, the error
+        given to `fail` or `interrupt` as it is.
         """
         t0 = time.monotonic()
         with self._cond:
@@ -187,6 +197,9 @@ class RolloutPool:
                 while True:
                     if self._failure is not None:
                         raise self._failure  # as given: it names its own cause
+                    if self._interrupt is not None:
+                        error, self._interrupt = self._interrupt, None
+                        raise error
                     if self._error is not None:
                         raise RuntimeError(f"rollout pool stopped: {self._error}") from self._error
                     self._screen_stale(version)

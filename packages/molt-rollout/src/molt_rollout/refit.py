@@ -18,6 +18,7 @@ cpu_transport.py); `NcclTransport`, vLLM's NCCL backend, for engines on other GP
 """
 
 import base64
+import contextlib
 import pickle
 import threading
 import time
@@ -196,7 +197,8 @@ class Refitter:
         return [f.result(timeout=self.cfg.timeout_s) for f in futures]
 
     def init_transfer(self) -> None:
-        """Rendezvous the trainer (rank 0) with every engine worker; once per run."""
+        """Rendezvous the trainer (rank 0) with every engine worker: once per run, and again
+        (a new Refitter, after `release` of the old one) when an engine was restarted."""
         futures = [
             self.pool.submit(engine.post, "/init_weight_transfer_engine",
                              {"init_info": self.transport.worker_init_info(1 + i * self.workers_per_engine)})
@@ -274,6 +276,18 @@ class Refitter:
         for future in futures:
             future.result(timeout=self.cfg.timeout_s)
         self.transport.sent()
+
+    def release(self) -> None:
+        """End this weight-transfer group on every engine still running, so a new Refitter can
+        rendezvous with them all (after an engine restart: vLLM's workers join one group at a
+        time). A dead or replaced engine has nothing to release; its error is ignored."""
+
+        def shutdown(engine: EngineControl) -> None:
+            with contextlib.suppress(RefitError):
+                engine.post("/shutdown_weight_transfer_engine")
+
+        self._on_all(shutdown)
+        self.close()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -65,6 +65,23 @@ class Router:
             f"router not ready after {self.cfg.startup_timeout_s} s:\n{log_tail(self.log_path)}"
         )
 
+    def add_worker(self, url: str) -> None:
+        """Route to engine `url` from now on (a restarted engine, once it holds the weights)."""
+        self._manage("/add_worker", url)
+
+    def remove_worker(self, url: str) -> None:
+        """Route nothing more to `url` (a dead engine); its sessions move to the others."""
+        self._manage("/remove_worker", url)
+
+    def _manage(self, path: str, url: str) -> None:
+        try:
+            response = httpx.post(f"{self.url}{path}", params={"url": url}, timeout=30.0)
+        except httpx.HTTPError as error:
+            raise EngineError(f"router {path} {url} failed: {error!r}") from error
+        if response.status_code >= 400:
+            raise EngineError(f"router {path} {url} answered {response.status_code}: "
+                              f"{response.text[:500]}")  # fmt: skip
+
     def stop(self) -> None:
         if self.process is not None:
             lifeline.stop(self.process)

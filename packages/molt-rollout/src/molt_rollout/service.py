@@ -1,5 +1,6 @@
 """The generation side of a run, assembled: engines, router, refit control, token clients."""
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,12 @@ from molt_rollout.engine import EngineError, EngineGroup
 from molt_rollout.refit import Refitter, transfer_backend
 from molt_rollout.router import Router
 
+log = logging.getLogger(__name__)
+
+
+class EngineRestarted(Exception):  # noqa: N818 (not an error: news for the trainer)
+    """An engine was restarted and waits for `RolloutService.rejoin` (raised by the pool)."""
+
 
 @dataclass
 class RolloutService:
@@ -22,6 +29,9 @@ class RolloutService:
     engine_urls: list[str]
     workers_per_engine: int
     refitter: Refitter | None  # None when another process (the trainer's rank 0) drives refit
+    restarts: int = 0  # engines restarted in this run (`engine/restarts`)
+    _unjoined: set[int] = field(default_factory=set)  # restarted, not yet refit nor routed to
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one restart at a time
     _stopped: threading.Event = field(default_factory=threading.Event)  # ends `watch`
 
     @classmethod
@@ -52,21 +62,66 @@ class RolloutService:
             raise
         return cls(model, vllm, engines, router_process, urls, workers, refitter)
 
-    def watch(self, on_death: Callable[[EngineError], None], every_s: float = 2.0) -> None:
-        """Check the engines every `every_s` seconds on a daemon thread; call `on_death` with
-        the EngineError (its log tail included) of the first one found dead, then stop."""
+    def watch(
+        self,
+        on_failure: Callable[[EngineError], None],
+        on_restart: Callable[[], None] = lambda: None,
+        every_s: float = 2.0,
+    ) -> None:
+        """Check the engines every `every_s` seconds on a daemon thread. A dead one is
+        restarted (`restart_dead`) and `on_restart` called: the trainer then `rejoin`s it. When
+        it cannot be (restarts off or used up, or the new server fails), `on_failure` gets the
+        EngineError (its log tail included) and the watch ends."""
 
         def loop() -> None:
             while not self._stopped.wait(every_s):
                 try:
-                    self.engines.check()
+                    if self.restart_dead():
+                        on_restart()
                 except EngineError as error:
-                    on_death(error)
+                    on_failure(error)
                     return
                 except Exception:  # Ray shutting down under us: nothing left to watch
                     return
 
         threading.Thread(target=loop, name="molt-engine-watch", daemon=True).start()
+
+    def restart_dead(self) -> bool:
+        """Replace every dead engine by a new server (--vllm.restart_on_failure, at most
+        --vllm.max_restarts per run); True when one was. A dead engine leaves the router at
+        once, so new sessions go to the others; the new server joins it only in `rejoin`, once
+        it holds the trainer's weights. Raises the dead engine's EngineError when it cannot be
+        restarted. Waits for a restart in progress on another thread."""
+        with self._lock:
+            dead = self.engines.dead()
+            for index, error in dead.items():
+                if not self.vllm.restart_on_failure:
+                    raise error
+                if self.restarts >= self.vllm.max_restarts:
+                    raise EngineError(f"{error} (not restarted: --vllm.max_restarts "
+                                      f"{self.vllm.max_restarts} used up)")  # fmt: skip
+                log.warning("restarting engine %d: %s", index, error)
+                self.router.remove_worker(self.engine_urls[index])
+                self.engine_urls[index] = self.engines.restart(index)
+                self.restarts += 1
+                self._unjoined.add(index)
+            return bool(dead)
+
+    def rejoin(self, refit: Callable[[list[str]], dict[str, float]]) -> dict[str, float]:
+        """After a restart: `refit(engine_urls)` must rebuild the weight-transfer group with
+        every engine (`Refitter.release`, then a new Refitter) and send the current weights
+        with their version; then the restarted engines join the router. Returns refit's
+        timings, {} when no engine was restarted since the last call. A dead engine the watch
+        has not seen yet is restarted first."""
+        self.restart_dead()
+        with self._lock:
+            if not self._unjoined:
+                return {}
+            times = refit(list(self.engine_urls))
+            for index in sorted(self._unjoined):
+                self.router.add_worker(self.engine_urls[index])
+            self._unjoined.clear()
+            return times
 
     def token_client(self) -> TokenClient:
         """A generator for molt-capture sessions and Env runners (one per event loop)."""

@@ -27,7 +27,7 @@ from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
 from molt_rollout.refit import set_sleeping
 from molt_rollout.runner_actors import RunnerActors
-from molt_rollout.service import RolloutService
+from molt_rollout.service import EngineRestarted, RolloutService
 from molt_rollout.tiny_model import build_tiny_model
 from molt_train.actor_config import ActorConfig
 from molt_train.checkpoint import BestTracker, CheckpointManager
@@ -139,15 +139,41 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                         "best": best and best.state_dict()})  # fmt: skip
         saved_step = step
 
+    def rejoin(version: int) -> dict[str, float]:
+        """Engines restarted since the last call (RolloutService.watch) get the policy's
+        weights as `version`, in a new weight-transfer group with every engine; {} if none."""
+
+        def rebuild(urls: list[str]) -> dict[str, float]:
+            policy.init_refit(urls, rollout.workers_per_engine, cfg.refit, bool(bundles))
+            return policy.refit(version, pause_mode)
+
+        return rollout.rejoin(rebuild)
+
+    def refit(version: int) -> dict[str, float]:
+        try:
+            return rejoin(version) or policy.refit(version, pause_mode)
+        except Exception:  # an engine died under the refit: restarted, it is refit with the rest
+            if times := rejoin(version):
+                return times
+            raise
+
     pool.start()
-    # A dead engine stops the run within seconds, with its log tail: a waiting pool at once,
-    # a step in progress (a refit stuck on the dead engine) too.
-    rollout.watch(lambda error: (pool.fail(error), stop.fail(error)))
+    # A dead engine is restarted on the watch's thread (--vllm.restart_on_failure); the pool
+    # wakes a waiting trainer to refit it. One that cannot be stops the run within seconds,
+    # with its log tail: a waiting pool at once, a step in progress (a refit stuck on the dead
+    # engine) too.
+    rollout.watch(on_failure=lambda error: (pool.fail(error), stop.fail(error)),
+                  on_restart=lambda: pool.interrupt(EngineRestarted()))  # fmt: skip
     try:
         t_start = time.perf_counter()
         for step in range(first_step, cfg.train.num_steps):
             t_step = time.perf_counter()
-            batch = pool.next_batch(version)  # a signal here stops at once: nothing trained yet
+            while True:  # a signal here stops at once: nothing trained yet
+                try:
+                    batch = pool.next_batch(version)
+                    break
+                except EngineRestarted:
+                    rejoin(version)
             t_generated = time.perf_counter()
 
             with stop.critical():  # a signal waits until the step is trained, logged and saved
@@ -165,7 +191,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     set_sleeping(rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s)
 
                 version += 1
-                refit_times = policy.refit(version, pause_mode)
+                refit_times = refit(version)
                 t_refit = time.perf_counter()
                 kl_ctl.update(experience.metrics.get("ref/kl", 0.0), len(experience.rollouts))
                 mean_step_s = (t_refit - t_start) / (step + 1 - first_step)  # this run's, so far
@@ -186,6 +212,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     "perf/train_tokens_per_sec": train_metrics.get("train/tokens", 0.0)
                     / max(t_trained - t_experience, 1e-9),
                     "train/weight_version": float(version),
+                    "engine/restarts": float(rollout.restarts),
                 }
                 new_best = False
                 if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:

@@ -536,12 +536,14 @@ class ModelWorker:
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
                    colocated: bool = False) -> None:  # fmt: skip
-        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker
-        (`colocated`: the engine is on rank 0's GPU)."""
+        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker (again,
+        in a new group, after an engine restart; `colocated`: the engine is on rank 0's GPU)."""
         if self.rank != 0:
             return
         from molt_rollout.refit import Refitter
 
+        if self.refitter is not None:
+            self.refitter.release()
         self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu,
                                  colocated)  # fmt: skip
         self.refitter.init_transfer()
@@ -551,10 +553,12 @@ class ModelWorker:
         (`pause_mode`: see molt_rollout.refit.Refitter.refit)."""
         dtype = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
         tensors = self.named_full_tensors(dtype)
-        if self.rank == 0:
-            return self.refitter.refit(tensors, version, pause_mode)
-        for _ in tensors:
-            pass
+        try:
+            if self.rank == 0:
+                return self.refitter.refit(tensors, version, pause_mode)
+        finally:
+            for _ in tensors:  # rank 0 too, when its refit failed: the others are gathering
+                pass
         return {}
 
     def set_engine_version(self, version: int) -> None:
