@@ -38,7 +38,7 @@ from molt_train.config import (
     validate_devices,
     validate_run_config,
 )
-from molt_train.experience import make_experience
+from molt_train.experience import correction_metrics, make_experience, reuses_training_forward
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
 from molt_train.model_group import ModelGroup
@@ -131,6 +131,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                         "best": best and best.state_dict()})  # fmt: skip
         saved_step = step
 
+    # One optimizer step over each batch: the training forward gives the old log-probs.
+    reuse = reuses_training_forward(cfg)
     pool.start()
     # A dead engine stops the run within seconds, with its log tail: a waiting pool at once,
     # a step in progress (a refit stuck on the dead engine) too.
@@ -145,11 +147,14 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
             with stop.critical():  # a signal waits until the step is trained, logged and saved
                 experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
                                              reference, critic, cfg.train.routing_replay,
-                                             cfg.reward)  # fmt: skip
+                                             cfg.reward, reuse)  # fmt: skip
                 t_experience = time.perf_counter()
-                train_metrics = train_on(
-                    experience.samples, experience.sample_groups, policy, critic, cfg
+                train_metrics, old_logprobs = train_on(
+                    experience.samples, experience.sample_groups, policy, critic, cfg, reuse
                 )
+                if reuse:  # the IS metrics of the old log-probs the step itself computed
+                    experience.metrics.update(correction_metrics(experience, old_logprobs,
+                                                                 cfg.algo))  # fmt: skip
                 t_trained = time.perf_counter()
 
                 version += 1
@@ -226,17 +231,25 @@ def load_prompts(data: DataConfig) -> tuple[PromptSource, list[dict]]:
 
 
 def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: ModelGroup | None,
-             cfg: RunConfig) -> dict:  # fmt: skip
+             cfg: RunConfig, reuse: bool = False) -> tuple[dict, list | None]:  # fmt: skip
     """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
-    metrics of the last step, plus the token count of all of them."""
+    metrics of the last step, plus the token count of all of them. `reuse`
+    (`reuses_training_forward`: one step): also the old log-probs that step computed, per
+    sample (None otherwise)."""
     chunks = _split_by_group(list(zip(samples, groups, strict=True)), groups,
                              cfg.train.mini_batches)  # fmt: skip
     metrics: dict[str, float] = {}
     tokens = 0.0
+    old_logprobs = None
     for _ in range(cfg.train.epochs_per_batch):
         for chunk in chunks:
             chunk_samples, chunk_groups = [s for s, _ in chunk], [g for _, g in chunk]
-            metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
+            if reuse:
+                metrics, old_logprobs = policy.train_step(chunk_samples, cfg.algo,
+                                                          groups=chunk_groups,
+                                                          return_logprobs=True)  # fmt: skip
+            else:
+                metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
             tokens += metrics.get("train/tokens", 0.0)
             if critic is not None:
                 critic_metrics = critic.train_step(
@@ -244,7 +257,7 @@ def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: Model
                 )
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     metrics["train/tokens"] = tokens
-    return metrics
+    return metrics, old_logprobs
 
 
 def evaluate(rows: list[dict], runners: RunnerActors, cfg: RunConfig) -> dict[str, float]:

@@ -27,6 +27,7 @@ from molt_algos import (
     POLICY_LOSSES,
     AggregationWindow,
     aggregate,
+    importance_correction,
     kl_estimate,
     score_centering,
     value_loss,
@@ -188,7 +189,11 @@ class ModelWorker:
                 "Mixtral routers on CPU)"
             )
         install_replay_hooks(self.routers)
-        self.padded = not packs_sequences(self.model)
+        # CPU: SDPA has no variable-length kernel there, so a packed row attends through a
+        # dense [T, T] block mask, quadratic in the row's total length (0.08 of the 0.10 s
+        # forward of the quickstart's 128 x 23 tokens); padded rows take its causal kernel
+        # (0.017 s). docs/benchmarks.md, "The quickstart, step and start-up".
+        self.padded = not self.on_gpu or not packs_sequences(self.model)
         packed_gpu = self.on_gpu and not self.padded and compute != torch.float32
         if packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
             # Packed rows without transformers' dense block mask (molt_train.attention), whose
@@ -326,12 +331,15 @@ class ModelWorker:
         value_clip: float | None = None,
         num_groups: int = 0,
         group_tokens: list[list[int]] | None = None,
-    ) -> dict[str, float]:
+        return_logprobs: bool = False,
+    ):
         """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences` /
         `num_groups` count the whole step window (all ranks), and `group_tokens[i][k]` is the
         window's token count of the prompt group of microbatch i's sample k (for
         prompt-mean-token-mean; None otherwise), so every microbatch's loss is its share of
-        one global mean (molt_algos.aggregation) and the update does not depend on the split."""
+        one global mean (molt_algos.aggregation) and the update does not depend on the split.
+        Returns the metrics; with `return_logprobs`, (metrics, the old-policy log-probs the
+        loss used, per microbatch per sample, as `forward_logprobs` gives them)."""
         from nemo_automodel.components.distributed.tp_replicas import (
             synchronize_tp_replica_gradients,
         )
@@ -357,6 +365,7 @@ class ModelWorker:
         self.model.train()
         totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
         weighted: dict[str, float] = {}  # token-weighted: sum of value * tokens, / num_tokens
+        old_rows: list[list[list[float]]] = []
         prepare_for_grad_accumulation([self.model])
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
@@ -368,7 +377,9 @@ class ModelWorker:
                 if self.role == "critic":
                     loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
                 else:
-                    loss, stats, per_token = self._policy_loss(batch, reduce, algo, sft)
+                    loss, stats, per_token, old = self._policy_loss(batch, reduce, algo, sft)
+                    if return_logprobs:
+                        old_rows.append(batch.to_lists(old) if samples else [])
                 loss.backward()
             tokens = int(batch.loss_mask.sum())
             for key, value in stats.items():
@@ -402,7 +413,7 @@ class ModelWorker:
                 "perf/peak_memory_gb": self._peak_memory_gb(),
             }
         )
-        return metrics
+        return (metrics, old_rows) if return_logprobs else metrics
 
     def _policy_loss(
         self,
@@ -410,20 +421,30 @@ class ModelWorker:
         reduce,
         algo: AlgoConfig,
         sft: bool,
-    ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
-        """(loss to backpropagate, summed stats, per-token-mean stats) of one microbatch: the
-        policy loss weighted by the IS weights, minus the entropy bonus, plus the KL penalty."""
+    ) -> tuple[Tensor, dict[str, float], dict[str, float], Tensor]:
+        """(loss to backpropagate, summed stats, per-token-mean stats, the old-policy log-probs
+        it used) of one microbatch: the policy loss weighted by the IS weights, minus the
+        entropy bonus, plus the KL penalty."""
         mask = batch.loss_mask
         centring = algo.score_centering and not sft and batch.head_ids is not None
         stats_ = self._token_stats(batch, True, batch.head_ids if centring else None)
         logprobs, entropy = stats_.logprobs, stats_.entropy
         old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
+        if old is None:  # on-policy: ratio 1
+            old = logprobs.detach()
+        rollout = batch.fields["rollout_logprobs"]
+        if rollout is not None and not sft:
+            # One optimizer step over the batch: this forward runs the weights the tokens are
+            # trained from, so its detached log-probs are pi_old exactly and the IS weights
+            # come from them, as the driver would compute them after a separate forward
+            # (molt_train.experience.reuses_training_forward says when).
+            weights = importance_correction(old, rollout, mask, algo.advantage).weights
         if sft:  # supervised: the negative log-likelihood of trained tokens
             per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
         else:
             result = POLICY_LOSSES[algo.policy_loss](
                 logprobs,
-                logprobs.detach() if old is None else old,  # on-policy: ratio 1
+                old,
                 _or_zeros(batch.fields["advantages"], logprobs),
                 mask,
                 algo.loss,
@@ -454,7 +475,7 @@ class ModelWorker:
             )
             loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
-        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats
+        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats, old
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
