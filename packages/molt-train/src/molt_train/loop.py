@@ -1,8 +1,8 @@
 """The RL loop. `train(cfg)` checks the config, the agent module and the data (a user error
 fails here, before Ray starts), then `_run` reads top to bottom:
 
-    build engines, router, runners and the streaming pool
-    build the policy actor (and the reference and critic when asked for)
+    start engines and router, building the policy actor meanwhile
+    build runners and the streaming pool (and the reference and critic when asked for)
     every step: take a batch from the pool -> make experience -> train -> refit -> log
                 evaluate and checkpoint on their cadence
 
@@ -13,6 +13,8 @@ that sampled it. SIGTERM and SIGINT stop it at the next safe point (molt_train.s
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import time
@@ -67,9 +69,17 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
     cfg, run_dir = prepare_run_dir(cfg)
 
-    # ---- generation: engines, router, agent runners, the streaming pool --------------------
-    rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit,
-                                   str(run_dir / "logs"), on_gpu, with_refitter=False)  # fmt: skip
+    # ---- engines and router, the policy actor built meanwhile (both mostly wait on imports) -
+    def start_rollout() -> RolloutService:
+        return RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
+                                    on_gpu, with_refitter=False)  # fmt: skip
+
+    def build_policy() -> ModelGroup:
+        return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
+
+    rollout, policy = start_concurrently(start_rollout, build_policy)
+
+    # ---- generation: agent runners, the streaming pool -------------------------------------
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
@@ -84,8 +94,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
     )  # fmt: skip
 
-    # ---- training: the policy, its refit link to the engines, reference and critic ---------
-    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay)
+    # ---- training: the policy's refit link to the engines, reference and critic -----------
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit)
     actors = {"policy": policy}
     reference = critic = None
@@ -220,6 +229,24 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         rollout.shutdown()
         print(format_final_message(paths, str(run_dir / "checkpoints")))
     return metrics
+
+
+def start_concurrently(start_rollout, build_policy) -> tuple[RolloutService, ModelGroup]:
+    """The engines start on a thread while the policy group builds here: the two overlap
+    (docs/benchmarks.md, start-up). Whichever fails, the other is shut down."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-start") as executor:
+        rollout_future = executor.submit(start_rollout)
+        try:
+            policy = build_policy()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                rollout_future.result().shutdown()
+            raise
+        try:
+            return rollout_future.result(), policy
+        except BaseException:
+            policy.shutdown()
+            raise
 
 
 def load_prompts(data: DataConfig) -> tuple[PromptSource, list[dict]]:
