@@ -58,9 +58,10 @@ class EngineServer:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
-            # The engine core inside the server process: as processes of their own, the core
-            # and its worker busy-poll their queues, a core's worth on a 2-core machine
-            # (quickstart step 2.1 -> 0.9 s; docs/benchmarks.md, the quickstart's profile).
+            # The model runs in the engine-core process (vLLM's one-process executor): as a
+            # worker process of its own it busy-polls its shared-memory queue, a whole core of
+            # two, and costs start-up a third interpreter (quickstart median step 2.1 -> 0.9 s,
+            # docs/benchmarks.md).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         command += server_args(self.cfg, self.model, port, self.transfer_backend)
