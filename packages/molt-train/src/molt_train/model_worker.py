@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import resource
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -50,6 +49,7 @@ from molt_train.checkpoint import (
     write_hf_checkpoint,
 )
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack
+from molt_train.step_metrics import all_reduce_step_metrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
 
 if TYPE_CHECKING:
@@ -190,9 +190,9 @@ class ModelWorker:
             )
         install_replay_hooks(self.routers)
         # CPU: SDPA has no variable-length kernel there, so a packed row attends through a
-        # dense [T, T] block mask, quadratic in the row's total length (0.08 of the 0.10 s
-        # forward of the quickstart's 128 x 23 tokens); padded rows take its causal kernel
-        # (0.017 s). docs/benchmarks.md, "The quickstart, step and start-up".
+        # dense [T, T] block mask, quadratic in the row's total length (the quickstart's 128
+        # x 23 tokens: a 0.080 s forward packed, 0.019 s padded, whose rows take its causal
+        # kernel). docs/benchmarks.md, "The quickstart: step time and start-up".
         self.padded = not self.on_gpu or not packs_sequences(self.model)
         packed_gpu = self.on_gpu and not self.padded and compute != torch.float32
         if packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
@@ -404,13 +404,15 @@ class ModelWorker:
         self.scheduler.step()
         self.steps += 1
 
-        metrics = self._all_reduce_metrics(totals, weighted, num_tokens)
+        metrics = all_reduce_step_metrics(
+            totals, weighted, num_tokens, self.fsdp.tp_size, self.device
+        )
         metrics.update(
             {
                 "train/grad_norm": float(grad_norm),
                 "train/lr": lr,
                 "train/tokens": float(num_tokens),
-                "perf/peak_memory_gb": self._peak_memory_gb(),
+                "perf/peak_memory_gb": peak_memory_gb(self.on_gpu, self.device),
             }
         )
         return (metrics, old_rows) if return_logprobs else metrics
@@ -488,30 +490,6 @@ class ModelWorker:
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
         loss = reduce(result.per_token, batch.loss_mask, "value")
         return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
-
-    def _all_reduce_metrics(
-        self, totals: dict[str, float], weighted: dict[str, float], num_tokens: int
-    ) -> dict[str, float]:
-        keys = sorted(totals), sorted(weighted)
-        values = torch.tensor(
-            [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        dist.all_reduce(values)
-        values = (values / self.fsdp.tp_size).tolist()  # a TP group holds one copy of the data
-        out = dict(zip(keys[0], values[: len(keys[0])], strict=True))
-        for key, value in zip(keys[1], values[len(keys[0]) :], strict=True):
-            out[key] = value / max(num_tokens, 1)
-        return out
-
-    def _peak_memory_gb(self) -> float:
-        if self.on_gpu:
-            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=self.device)
-        else:  # the process's peak resident set (Linux reports KiB)
-            peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak)
 
     # ------------------------------------------------------------------ weights out
 
