@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4)
     args = parser.parse_args()
     model = str(build_tiny_model())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     logs = tempfile.mkdtemp(prefix="runner-profile-")
     service = RolloutService.start(model, VLLMConfig(dtype="float32"), RouterConfig(),
                                    RefitConfig(), logs, on_gpu=False)  # fmt: skip

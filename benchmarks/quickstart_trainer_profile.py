@@ -53,7 +53,7 @@ def main() -> None:
 
         from molt_train.model_group import ModelGroup
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         group = ModelGroup(actor, FSDPConfig(), on_gpu=False)
         if args.layout == "packed":
             raise SystemExit("--layout packed: in process only (--workers 0)")

@@ -319,7 +319,10 @@ def start_ray(cfg: RunConfig) -> None:
     if cfg.train.ray_address:
         ray.init(address=cfg.train.ray_address)
     else:
-        ray.init(object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
+        # "local": a private instance, even where `ray start` left a cluster (or its address
+        # file) on this machine, which a bare ray.init would join.
+        ray.init(address="local", object_store_memory=512 << 20, include_dashboard=False,
+                 log_to_driver=False)  # fmt: skip
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
