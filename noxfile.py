@@ -102,6 +102,7 @@ def all(session: nox.Session) -> None:
         "pytest",
         *test_dirs,
         "tests_integration",
+        "--durations=25",  # where CI's time goes (docs/benchmarks.md, the quickstart section)
         *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )

@@ -22,8 +22,9 @@ def ray_cluster():
     if ray.is_initialized():  # another test directory's session fixture started it: share it
         yield
         return
-    ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    # "local": never the cluster a `ray start` elsewhere on this machine left behind.
+    ray.init(address="local", num_cpus=2, object_store_memory=512 << 20,
+             include_dashboard=False, log_to_driver=False)  # fmt: skip
     yield
     ray.shutdown()
 

@@ -27,7 +27,10 @@ def node(*args: str) -> subprocess.Popen:
 
 def test_head_and_worker_form_one_cluster(tmp_path):
     port = str(free_port())
-    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}')
+    # Its own temp dir: `ray start` records the cluster's address there, and a plain
+    # `ray.init()` elsewhere on the machine must not find (and join) this test's cluster.
+    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}',
+                "--temp-dir", str(tmp_path / "ray"))  # fmt: skip
     worker = None
     try:
         worker = node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "1",

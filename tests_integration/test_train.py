@@ -139,10 +139,12 @@ def assert_nothing_left(tree: list[psutil.Process], ports: set[int], within_s: f
 
 def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     """SIGKILL of the driver alone (as an out-of-memory kill does): nothing of the run is left
-    within 10 s, and a resumed run trains every prompt exactly once."""
+    within 10 s, and a resumed run trains every prompt exactly once. Two policy ranks: the
+    distributed path end to end (sharded checkpoints, gloo collectives, rank 0's refit)."""
     run = tmp_path / "resume"
     flags = [*FAST, "--train.force_on_policy", "True", "--train.num_steps", "5",
-             "--ckpt.every_steps", "1", "--rollout.groups_per_batch", "4"]  # fmt: skip
+             "--ckpt.every_steps", "1", "--rollout.groups_per_batch", "4",
+             "--actor.num_workers", "2"]  # fmt: skip
     process = start_run(tmp_path, run, flags)
     try:
         wait_for(run, "checkpoints/step_00000003", process)

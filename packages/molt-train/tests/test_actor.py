@@ -331,3 +331,19 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
         assert torch.equal(tensor, initial[name]) == (name in routers), name
     optimized = list(states[0]["optim"]["state"])
     assert optimized and not router_params(optimized)  # no Adam state for the router
+
+
+def test_a_step_hands_back_the_old_logprobs_of_a_separate_pass(policy, hf_model):
+    """Without a separate old-policy pass (molt_train.experience.reuses_training_forward) the
+    two ranks' training forwards are the old policy: the log-probs they hand back, put back in
+    the samples' order, are exactly those of the pass at the same weights. Runs last: it
+    trains the module's group."""
+    samples = make_samples(hf_model.config.vocab_size)
+    old = policy.forward_logprobs(samples)
+    for sample, values in zip(samples, old, strict=True):
+        sample.rollout_logprobs = [
+            v - 0.1 * m for v, m in zip(values, sample.loss_mask, strict=True)
+        ]
+    metrics, used = policy.train_step(samples, TOKEN_MEAN, return_logprobs=True)
+    assert used == old
+    assert metrics["train/tokens"] == sum(s.num_trained for s in samples)

@@ -34,7 +34,7 @@ def test_a_padding_microbatch_reports_the_centering_keys():
     sample = Sample([1, 2, 3], [0, 1, 1], advantages=[0.0, 1.0, -1.0],
                     old_logprobs=[0.0, -1.1, -0.9], weights=[1.0, 1.0, 1.0],
                     head_ids=[[], [2, 5], [3, 4]], head_logprobs=[[], [-0.2, -2.0], [-0.1, -3.0]])  # fmt: skip
-    _, _, real = worker._policy_loss(pack([sample]), reduce, algo, sft=False)
-    _, _, padding = worker._policy_loss(empty_batch(), reduce, algo, sft=False)
+    _, _, real, _ = worker._policy_loss(pack([sample]), reduce, algo, sft=False)
+    _, _, padding, _ = worker._policy_loss(empty_batch(), reduce, algo, sft=False)
     assert "loss/centering_head_mass" in real
     assert set(real) == set(padding)

@@ -111,7 +111,7 @@ def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, 
         return (per_token * mask).sum() / mask.sum()
 
     algo = AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
-    loss, _, stats = worker._policy_loss(batch, reduce, algo, sft=False)
+    loss, _, stats, _ = worker._policy_loss(batch, reduce, algo, sft=False)
     loss.backward()
     assert (grads_of_entropy[0] is None) == (entropy_coef == 0)
     assert stats["loss/entropy"] > 0

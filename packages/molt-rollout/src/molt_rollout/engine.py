@@ -60,6 +60,11 @@ class EngineServer:
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
+            # The model runs in the engine-core process (vLLM's one-process executor): as a
+            # worker process of its own it busy-polls its shared-memory queue, a whole core of
+            # two, and costs start-up a third interpreter (quickstart median step 2.1 -> 0.9 s,
+            # docs/benchmarks.md).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         command += server_args(self.cfg, self.model, port, self.transfer_backend)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ class ActorConfig:
     """The policy model and its ranks (`--actor.*`); the reference and critic copy it."""
 
     model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model
-    num_workers: int = 2  # ranks (one per GPU; CPU processes on CPU)
+    num_workers: int = 1  # ranks (one per GPU; CPU processes on CPU; a tiny model: keep 1)
     max_tokens_per_microbatch: int = 8192  # packing budget per microbatch
     gradient_checkpointing: bool = False  # activation checkpointing of decoder layers
     logprob_chunk_size: int = 1024  # tokens per block of molt_algos' chunked log-probs

@@ -1,8 +1,8 @@
 """The RL loop. `train(cfg)` checks the config, the agent module and the data (a user error
 fails here, before Ray starts), then `_run` reads top to bottom:
 
-    build engines, router, runners and the streaming pool
-    build the policy actor (and the reference and critic when asked for)
+    start engines and router, building the policy actor meanwhile
+    build runners and the streaming pool (and the reference and critic when asked for)
     every step: take a batch from the pool -> make experience -> train -> refit -> log
                 evaluate and checkpoint on their cadence
 
@@ -13,6 +13,8 @@ that sampled it. SIGTERM and SIGINT stop it at the next safe point (molt_train.s
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import time
@@ -41,7 +43,7 @@ from molt_train.config import (
     validate_devices,
     validate_run_config,
 )
-from molt_train.experience import make_experience
+from molt_train.experience import correction_metrics, make_experience, reuses_training_forward
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
 from molt_train.model_group import ModelGroup, gpu_bundles
@@ -70,11 +72,25 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
     cfg, run_dir = prepare_run_dir(cfg)
 
-    # ---- generation: engines, router, agent runners, the streaming pool --------------------
-    # Colocated: one-GPU bundles that the engine and every model's rank i share.
+    # ---- engines and router, the policy actor built meanwhile (both mostly wait on imports) -
+    # Colocated: one-GPU bundles that the engine and every model's rank i share; in Ray's books
+    # the engine takes half of each, the models the other half.
     bundles = gpu_bundles(max(model_ranks(cfg))) if cfg.train.colocate else None
-    rollout = RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
-                                   on_gpu, with_refitter=False, placement=bundles)  # fmt: skip
+    share = None if bundles is None else (bundles, int(5000 / len(model_roles(cfg))) / 1e4)
+
+    def start_rollout() -> RolloutService:
+        return RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
+                                    on_gpu, with_refitter=False, placement=bundles)  # fmt: skip
+
+    def build_policy() -> ModelGroup:
+        return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
+
+    if bundles is None:
+        rollout, policy = start_concurrently(start_rollout, build_policy)
+    else:  # one after the other: vLLM sizes its KV cache from the GPU memory it finds free
+        rollout, policy = start_rollout(), build_policy()
+
+    # ---- generation: agent runners, the streaming pool -------------------------------------
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
@@ -89,10 +105,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
     )  # fmt: skip
 
-    # ---- training: the policy, its refit link to the engines, reference and critic ---------
-    # The engine takes half of each shared GPU in Ray's books, the models the other half.
-    share = None if bundles is None else (bundles, int(5000 / len(model_roles(cfg))) / 1e4)
-    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
+    # ---- training: the policy's refit link to the engines, reference and critic -----------
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles))
     actors = {"policy": policy}
     reference = critic = None
@@ -157,6 +170,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                 return times
             raise
 
+    # One optimizer step over each batch: the training forward gives the old log-probs.
+    reuse = reuses_training_forward(cfg)
     pool.start()
     # A dead engine is restarted on the watch's thread (--vllm.restart_on_failure); the pool
     # wakes a waiting trainer to refit it. One that cannot be stops the run within seconds,
@@ -181,11 +196,14 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                     set_sleeping(rollout.engine_urls, True, pause_mode, cfg.refit.timeout_s)
                 experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
                                              reference, critic, cfg.train.routing_replay,
-                                             cfg.reward)  # fmt: skip
+                                             cfg.reward, reuse)  # fmt: skip
                 t_experience = time.perf_counter()
-                train_metrics = train_on(
-                    experience.samples, experience.sample_groups, policy, critic, cfg
+                train_metrics, old_logprobs = train_on(
+                    experience.samples, experience.sample_groups, policy, critic, cfg, reuse
                 )
+                if reuse:  # the IS metrics of the old log-probs the step itself computed
+                    experience.metrics.update(correction_metrics(experience, old_logprobs,
+                                                                 cfg.algo))  # fmt: skip
                 t_trained = time.perf_counter()
                 if cfg.vllm.enable_sleep_mode:
                     set_sleeping(rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s)
@@ -258,6 +276,24 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     return metrics
 
 
+def start_concurrently(start_rollout, build_policy) -> tuple[RolloutService, ModelGroup]:
+    """The engines start on a thread while the policy group builds here: the two overlap
+    (docs/benchmarks.md, start-up). Whichever fails, the other is shut down."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-start") as executor:
+        rollout_future = executor.submit(start_rollout)
+        try:
+            policy = build_policy()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                rollout_future.result().shutdown()
+            raise
+        try:
+            return rollout_future.result(), policy
+        except BaseException:
+            policy.shutdown()
+            raise
+
+
 def load_prompts(data: DataConfig) -> tuple[PromptSource, list[dict]]:
     """The training prompt stream and the eval rows, every row read and checked."""
     try:
@@ -267,17 +303,25 @@ def load_prompts(data: DataConfig) -> tuple[PromptSource, list[dict]]:
 
 
 def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: ModelGroup | None,
-             cfg: RunConfig) -> dict:  # fmt: skip
+             cfg: RunConfig, reuse: bool = False) -> tuple[dict, list | None]:  # fmt: skip
     """`--train.epochs_per_batch` passes, each `--train.mini_batches` optimizer steps; the
-    metrics of the last step, plus the token count of all of them."""
+    metrics of the last step, plus the token count of all of them. `reuse`
+    (`reuses_training_forward`: one step): also the old log-probs that step computed, per
+    sample (None otherwise)."""
     chunks = _split_by_group(list(zip(samples, groups, strict=True)), groups,
                              cfg.train.mini_batches)  # fmt: skip
     metrics: dict[str, float] = {}
     tokens = 0.0
+    old_logprobs = None
     for _ in range(cfg.train.epochs_per_batch):
         for chunk in chunks:
             chunk_samples, chunk_groups = [s for s, _ in chunk], [g for _, g in chunk]
-            metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
+            if reuse:
+                metrics, old_logprobs = policy.train_step(chunk_samples, cfg.algo,
+                                                          groups=chunk_groups,
+                                                          return_logprobs=True)  # fmt: skip
+            else:
+                metrics = policy.train_step(chunk_samples, cfg.algo, groups=chunk_groups)
             tokens += metrics.get("train/tokens", 0.0)
             if critic is not None:
                 critic_metrics = critic.train_step(
@@ -285,7 +329,7 @@ def train_on(samples: list, groups: list[str], policy: ModelGroup, critic: Model
                 )
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     metrics["train/tokens"] = tokens
-    return metrics
+    return metrics, old_logprobs
 
 
 def evaluate(rows: list[dict], runners: RunnerActors, cfg: RunConfig) -> dict[str, float]:
@@ -320,7 +364,10 @@ def start_ray(cfg: RunConfig) -> None:
     if cfg.train.ray_address:
         ray.init(address=cfg.train.ray_address)
     else:
-        ray.init(object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
+        # "local": a private instance, even where `ray start` left a cluster (or its address
+        # file) on this machine, which a bare ray.init would join.
+        ray.init(address="local", object_store_memory=512 << 20, include_dashboard=False,
+                 log_to_driver=False)  # fmt: skip
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:

@@ -146,8 +146,11 @@ class ModelGroup:
         sft: bool = False,
         value_clip: float | None = None,
         groups: list[str] | None = None,
-    ) -> dict[str, float]:
+        return_logprobs: bool = False,
+    ):
         """ONE optimizer step over all `samples`; metrics averaged over ranks (rank 0's copy).
+        With `return_logprobs`: (metrics, the old-policy log-probs the loss used per sample,
+        in the samples' order, as `forward_logprobs` gives them).
         The policy minimises `algo`'s loss (`sft`: the negative log-likelihood of the trained
         tokens instead, no advantages needed); a critic the value loss clipped at `value_clip`,
         aggregated by `algo.aggregation_of("value")`. Samples carry what the loss needs (the loop's experience);
@@ -164,10 +167,13 @@ class ModelGroup:
         results = self._all(
             lambda r, w: w.train_step.remote(
                 per_rank[r], num_tokens, num_sequences, algo, sft, value_clip, num_groups,
-                None if group_tokens is None else group_tokens[r],
+                None if group_tokens is None else group_tokens[r], return_logprobs,
             )
         )  # fmt: skip
-        return results[0]
+        if not return_logprobs:
+            return results[0]
+        logprobs = unplan(plan, [rows for _, rows in results[:: self.fsdp.tp_size]], len(samples))
+        return results[0][0], logprobs
 
     def full_state(self) -> dict:
         """Unsharded weights (HF names) and optimizer state, gathered to the driver: small models

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import resource
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from molt_algos import (
     POLICY_LOSSES,
     AggregationWindow,
     aggregate,
+    importance_correction,
     kl_estimate,
     score_centering,
     value_loss,
@@ -49,6 +49,7 @@ from molt_train.checkpoint import (
     write_hf_checkpoint,
 )
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack
+from molt_train.step_metrics import all_reduce_step_metrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
 
 if TYPE_CHECKING:
@@ -189,7 +190,11 @@ class ModelWorker:
                 "Mixtral routers on CPU)"
             )
         install_replay_hooks(self.routers)
-        self.padded = not packs_sequences(self.model)
+        # CPU: SDPA has no variable-length kernel there, so a packed row attends through a
+        # dense [T, T] block mask, quadratic in the row's total length (the quickstart's 128
+        # x 23 tokens: a 0.080 s forward packed, 0.019 s padded, whose rows take its causal
+        # kernel). docs/benchmarks.md, "The quickstart: step time and start-up".
+        self.padded = not self.on_gpu or not packs_sequences(self.model)
         packed_gpu = self.on_gpu and not self.padded and compute != torch.float32
         if packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
             # Packed rows without transformers' dense block mask (molt_train.attention), whose
@@ -327,12 +332,15 @@ class ModelWorker:
         value_clip: float | None = None,
         num_groups: int = 0,
         group_tokens: list[list[int]] | None = None,
-    ) -> dict[str, float]:
+        return_logprobs: bool = False,
+    ):
         """One optimizer step over this rank's microbatches. `num_tokens` / `num_sequences` /
         `num_groups` count the whole step window (all ranks), and `group_tokens[i][k]` is the
         window's token count of the prompt group of microbatch i's sample k (for
         prompt-mean-token-mean; None otherwise), so every microbatch's loss is its share of
-        one global mean (molt_algos.aggregation) and the update does not depend on the split."""
+        one global mean (molt_algos.aggregation) and the update does not depend on the split.
+        Returns the metrics; with `return_logprobs`, (metrics, the old-policy log-probs the
+        loss used, per microbatch per sample, as `forward_logprobs` gives them)."""
         from nemo_automodel.components.distributed.tp_replicas import (
             synchronize_tp_replica_gradients,
         )
@@ -358,6 +366,7 @@ class ModelWorker:
         self.model.train()
         totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
         weighted: dict[str, float] = {}  # token-weighted: sum of value * tokens, / num_tokens
+        old_rows: list[list[list[float]]] = []
         prepare_for_grad_accumulation([self.model])
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
@@ -369,7 +378,9 @@ class ModelWorker:
                 if self.role == "critic":
                     loss, stats, per_token = self._value_loss(batch, reduce, value_clip)
                 else:
-                    loss, stats, per_token = self._policy_loss(batch, reduce, algo, sft)
+                    loss, stats, per_token, old = self._policy_loss(batch, reduce, algo, sft)
+                    if return_logprobs:
+                        old_rows.append(batch.to_lists(old) if samples else [])
                 loss.backward()
             tokens = int(batch.loss_mask.sum())
             for key, value in stats.items():
@@ -394,16 +405,18 @@ class ModelWorker:
         self.scheduler.step()
         self.steps += 1
 
-        metrics = self._all_reduce_metrics(totals, weighted, num_tokens)
+        metrics = all_reduce_step_metrics(
+            totals, weighted, num_tokens, self.fsdp.tp_size, self.device
+        )
         metrics.update(
             {
                 "train/grad_norm": float(grad_norm),
                 "train/lr": lr,
                 "train/tokens": float(num_tokens),
-                "perf/peak_memory_gb": self._peak_memory_gb(),
+                "perf/peak_memory_gb": peak_memory_gb(self.on_gpu, self.device),
             }
         )
-        return metrics
+        return (metrics, old_rows) if return_logprobs else metrics
 
     def _policy_loss(
         self,
@@ -411,20 +424,30 @@ class ModelWorker:
         reduce,
         algo: AlgoConfig,
         sft: bool,
-    ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
-        """(loss to backpropagate, summed stats, per-token-mean stats) of one microbatch: the
-        policy loss weighted by the IS weights, minus the entropy bonus, plus the KL penalty."""
+    ) -> tuple[Tensor, dict[str, float], dict[str, float], Tensor]:
+        """(loss to backpropagate, summed stats, per-token-mean stats, the old-policy log-probs
+        it used) of one microbatch: the policy loss weighted by the IS weights, minus the
+        entropy bonus, plus the KL penalty."""
         mask = batch.loss_mask
         centring = algo.score_centering and not sft and batch.head_ids is not None
         stats_ = self._token_stats(batch, True, batch.head_ids if centring else None)
         logprobs, entropy = stats_.logprobs, stats_.entropy
         old, weights = batch.fields["old_logprobs"], batch.fields["weights"]
+        if old is None:  # on-policy: ratio 1
+            old = logprobs.detach()
+        rollout = batch.fields["rollout_logprobs"]
+        if rollout is not None and not sft:
+            # One optimizer step over the batch: this forward runs the weights the tokens are
+            # trained from, so its detached log-probs are pi_old exactly and the IS weights
+            # come from them, as the driver would compute them after a separate forward
+            # (molt_train.experience.reuses_training_forward says when).
+            weights = importance_correction(old, rollout, mask, algo.advantage).weights
         if sft:  # supervised: the negative log-likelihood of trained tokens
             per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
         else:
             result = POLICY_LOSSES[algo.policy_loss](
                 logprobs,
-                logprobs.detach() if old is None else old,  # on-policy: ratio 1
+                old,
                 _or_zeros(batch.fields["advantages"], logprobs),
                 mask,
                 algo.loss,
@@ -455,7 +478,7 @@ class ModelWorker:
             )
             loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
-        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats
+        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats, old
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
@@ -468,30 +491,6 @@ class ModelWorker:
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
         loss = reduce(result.per_token, batch.loss_mask, "value")
         return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
-
-    def _all_reduce_metrics(
-        self, totals: dict[str, float], weighted: dict[str, float], num_tokens: int
-    ) -> dict[str, float]:
-        keys = sorted(totals), sorted(weighted)
-        values = torch.tensor(
-            [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        dist.all_reduce(values)
-        values = (values / self.fsdp.tp_size).tolist()  # a TP group holds one copy of the data
-        out = dict(zip(keys[0], values[: len(keys[0])], strict=True))
-        for key, value in zip(keys[1], values[len(keys[0]) :], strict=True):
-            out[key] = value / max(num_tokens, 1)
-        return out
-
-    def _peak_memory_gb(self) -> float:
-        if self.on_gpu:
-            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=self.device)
-        else:  # the process's peak resident set (Linux reports KiB)
-            peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak)
 
     # ------------------------------------------------------------------ weights out
 

@@ -15,7 +15,10 @@ from torch import Tensor
 from molt_train.routing_replay import microbatch_routing
 
 # Sample fields carried per token into the loss, besides loss_mask.
-TOKEN_FIELDS = ("advantages", "old_logprobs", "weights", "ref_logprobs", "returns", "old_values")
+TOKEN_FIELDS = (
+    "advantages", "old_logprobs", "weights", "rollout_logprobs", "ref_logprobs", "returns",
+    "old_values",
+)  # fmt: skip
 
 
 @dataclass
@@ -28,6 +31,9 @@ class Sample:
     advantages: list[float] | None = None  # per token (0 where masked)
     old_logprobs: list[float] | None = None  # proximal policy (recomputed by the trainer)
     weights: list[float] | None = None  # per-token IS-correction weights (1.0 default)
+    # What the tokens were sampled with, when the training forward itself is the old policy
+    # (no old_logprobs, no weights: the worker derives both; molt_train.experience)
+    rollout_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None  # for a KL loss
     returns: list[float] | None = None  # critic targets (GAE); value model only
     old_values: list[float] | None = None

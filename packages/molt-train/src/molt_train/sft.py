@@ -121,7 +121,8 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     if not ray.is_initialized():
-        ray.init(address=cfg.train.ray_address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=cfg.train.ray_address or "local",  # None: a private instance
+                 include_dashboard=False, log_to_driver=False)  # fmt: skip
     gpus = int(ray.cluster_resources().get("GPU", 0))
     validate_actor_devices(cfg.actor, cfg.fsdp, gpus)
     on_gpu = gpus > 0
