@@ -247,6 +247,7 @@ def test_bad_runs_fail_fast_naming_the_problem(tmp_path):
     for flags, needle in [
         (["--train.agent_path", str(tmp_path / "missing.py")], "missing.py"),
         (["--rollout.n_samples_per_prompt", "1"], "--rollout.n_samples_per_prompt"),
+        (["--actor.lora.rank", "8", "--actor.lora.target_modules", "*"], "matches lm_head"),
     ]:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "molt_train.cli", *flags],

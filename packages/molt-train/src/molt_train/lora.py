@@ -15,6 +15,8 @@ alone leaves as a PEFT checkpoint (`write_adapter`).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -112,8 +114,10 @@ def write_adapter(
     it); `named` holds the adapter tensors under the base model's layer names."""
     from safetensors.torch import save_file
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(path)
+    out = final.with_name(final.name + ".tmp")  # renamed into place: a crash leaves no half
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     named_ = {name: t.cpu().contiguous() for name, t in named}
     tensors = {f"base_model.model.{name}": t for name, t in named_.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -133,3 +137,5 @@ def write_adapter(
         "fan_in_fan_out": False,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(out, final)

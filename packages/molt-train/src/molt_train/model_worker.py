@@ -607,7 +607,8 @@ class ModelWorker:
 
     def export_hf(self, path: str) -> None:
         """safetensors shards + config + tokenizer, written by rank 0, in the dtype the source
-        checkpoint declares (the model trains on fp32 master weights)."""
+        checkpoint declares (the model trains on fp32 master weights). With LoRA these are the
+        merged weights, and `<path>_adapter` holds the adapters alone (PEFT format)."""
         from transformers import AutoConfig
 
         config = copy.deepcopy(self.model.config)
