@@ -91,6 +91,13 @@ def test_merge_keeps_order_and_bias_and_refuses_a_missing_adapter():
     out = list(merge_adapters(named, {"x": 0.5}))
     assert [n for n, _ in out] == ["x.bias", "x.weight", "y.weight"]
     assert torch.equal(out[1][1], w + 0.5 * b @ a)  # 1 + 0.5 * 2 = 2 everywhere
+    # A frozen W kept in bf16 (AutoModel on GPU): summed in fp32, returned in W's dtype.
+    a_, b_ = torch.full((1, 2), 1e-3), torch.ones(3, 1)
+    w16 = torch.ones(3, 2, dtype=torch.bfloat16)
+    named16 = [("x.weight", w16), ("x.lora_A.weight", a_), ("x.lora_B.weight", b_)]
+    ((_, merged16),) = merge_adapters(named16, {"x": 3.0})
+    assert merged16.dtype == torch.bfloat16
+    assert torch.equal(merged16, (w16.float() + 3.0 * b_ @ a_).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="without both adapters"):
         list(merge_adapters(named[:3], {"x": 0.5}))
 

@@ -79,9 +79,9 @@ def merge_adapters(
     named: Iterable[tuple[str, Tensor]], scales: dict[str, float]
 ) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) in state-dict order with every adapted layer's W, A and B replaced by one
-    W + s B A under W's name, computed in the tensors' own (fp32 master) precision. A layer's
-    W comes before its adapters in the state dict, so it waits here until both have passed:
-    one layer's weight at a time."""
+    W + s B A under W's name, summed in fp32 and returned in W's dtype (AutoModel may store a
+    frozen W in the compute dtype on GPU). A layer's W comes before its adapters in the state
+    dict, so it waits here until both have passed: one layer's weight at a time."""
     waiting: dict[str, dict[str, Tensor]] = {}
     for name, tensor in named:
         layer = _adapted_layer(name, scales)
@@ -93,7 +93,8 @@ def merge_adapters(
         if len(parts) == 3:
             del waiting[layer]
             w, a, b = parts["weight"], parts["lora_A.weight"], parts["lora_B.weight"]
-            yield f"{layer}.weight", w + scales[layer] * (b.to(w.dtype) @ a.to(w.dtype))
+            merged = w.float() + scales[layer] * (b.float() @ a.float())
+            yield f"{layer}.weight", merged.to(w.dtype)
     if waiting:
         raise RuntimeError(f"LoRA layers without both adapters in the state dict: {list(waiting)}")
 
