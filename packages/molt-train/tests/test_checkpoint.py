@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_train.actor_config import ActorConfig, FSDPConfig, OptimConfig
+from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
 from molt_train.checkpoint import CheckpointManager
 from molt_train.config import AlgoConfig
 from molt_train.model_group import ModelGroup
@@ -85,10 +85,15 @@ def assert_same_state(got: dict, expected: dict) -> None:
             assert torch.equal(got["optim"]["state"][key][field], value), (key, field)
 
 
-def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
+@pytest.mark.parametrize(
+    "lora", [LoRAConfig(), LoRAConfig(rank=4, alpha=8.0)], ids=["full", "lora"]
+)
+def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path, lora):
     """Save after one step, step again; a new group loaded from the checkpoint holds the saved
     weights and Adam state, and its next step gives the same metrics and weights as the run
-    that went on. The export then loads with transformers and gives the actor's log-probs."""
+    that went on. The export then loads with transformers and gives the actor's log-probs.
+    With LoRA the weights are the merged ones the engines get, Adam holds the adapters' state
+    alone, and the adapter export rebuilds the merged export from the base checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = ActorConfig(
@@ -96,6 +101,7 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
         num_workers=2,
         max_tokens_per_microbatch=16,
         optim=OptimConfig(lr=1e-3, warmup_steps=3),
+        lora=lora,
     )
     samples = make_samples(AutoTokenizer.from_pretrained(tiny_model).vocab_size)
     manager = CheckpointManager(str(tmp_path / "ckpt"), keep_last=3)
@@ -131,6 +137,8 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
     assert AutoTokenizer.from_pretrained(export).chat_template  # the source's tokenizer
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, after["model"][name]), name
+    if lora.rank:
+        check_lora_state_and_adapter_export(tiny_model, lora, saved, after, export)
     sample = samples[0]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([sample.token_ids])).logits[0], dim=-1)
@@ -138,6 +146,28 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path):
     got = torch.tensor(logprobs[0][1:])
     mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
     torch.testing.assert_close(got[mask], expected_lp[mask], atol=1e-5, rtol=0)
+
+
+def check_lora_state_and_adapter_export(tiny_model, lora, saved, after, export) -> None:
+    from safetensors.torch import load_file
+
+    base = load_file(f"{tiny_model}/model.safetensors")
+    adapted = {k for k in saved["optim"]["state"]}
+    assert adapted and all(".lora_A." in k or ".lora_B." in k for k in adapted)
+    adapter = load_file(f"{export}_adapter/adapter_model.safetensors")
+    config = json.loads(Path(f"{export}_adapter/adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (lora.rank, lora.alpha)
+    assert {f"base_model.model.{k}" for k in adapted} == set(adapter)
+    for name, tensor in after["model"].items():
+        layer = name.removesuffix(".weight")
+        if layer in config["target_modules"]:
+            a = adapter[f"base_model.model.{layer}.lora_A.weight"]
+            b = adapter[f"base_model.model.{layer}.lora_B.weight"]
+            rebuilt = base[name] + lora.alpha / lora.rank * b @ a
+            torch.testing.assert_close(tensor, rebuilt, atol=1e-6, rtol=0)
+            assert not torch.equal(tensor, base[name])
+        else:  # frozen
+            assert torch.equal(tensor, base[name]), name
 
 
 def test_hf_export_replaces_atomically(tiny_model, tmp_path):

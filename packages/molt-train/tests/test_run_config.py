@@ -82,6 +82,9 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
          ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
         (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
+        (["--actor.lora.rank", "-1"], ["--actor.lora.rank"]),
+        (["--actor.lora.rank", "8", "--actor.lora.target_modules", "*.q_proj", "lm_head"],
+         ["--actor.lora.target_modules", "lm_head"]),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_their_flags(argv, flags):

@@ -39,6 +39,17 @@ class FSDPConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy (`--actor.lora.*`; molt_train.lora): each targeted linear
+    layer computes W x + (alpha / rank) B A x with W frozen and only A, B trained."""
+
+    rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
+    alpha: float = 32.0  # scale = alpha / rank
+    # Linear layers to adapt: full module names or AutoModel wildcards (* matches any text).
+    target_modules: list[str] = field(default_factory=lambda: ["*_proj"])
+
+
+@dataclass
 class ActorConfig:
     """The policy model and its ranks (`--actor.*`); the reference and critic copy it."""
 
@@ -50,6 +61,7 @@ class ActorConfig:
     dtype: Literal["bf16", "fp32"] = "bf16"  # GPU compute dtype (fp32 master weights); CPU: fp32
     optim: OptimConfig = field(default_factory=OptimConfig)
     freeze_moe_router: bool = False  # do not train MoE router weights
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = 0  # base seed; each rank adds its rank
 
 
@@ -86,6 +98,30 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
         raise ValueError(f"--actor.optim.schedule {optim.schedule} needs --actor.optim.total_steps")
     if optim.total_steps is not None and optim.total_steps <= optim.warmup_steps:
         raise ValueError("--actor.optim.total_steps must exceed --actor.optim.warmup_steps")
+    validate_lora_config(actor.lora)
+
+
+def validate_lora_config(lora: LoRAConfig) -> None:
+    """LoRA settings that are wrong on any model, or that would make the engines serve another
+    policy than the one trained."""
+    from molt_train.lora import adapts_lm_head
+
+    if lora.rank < 0:
+        raise ValueError(f"--actor.lora.rank must be >= 0 (0: no LoRA), got {lora.rank}")
+    if not lora.rank:
+        return
+    if not lora.alpha > 0:
+        raise ValueError(f"--actor.lora.alpha must be > 0, got {lora.alpha}")
+    if not lora.target_modules or not all(lora.target_modules):
+        raise ValueError("--actor.lora.target_modules needs at least one non-empty module name")
+    if adapts_lm_head(lora.target_modules):
+        # The trainer's log-probs read the LM head's weight directly (molt_train.token_stats),
+        # so an adapter there would train nothing, yet its merged weight would be served; with
+        # tied embeddings the engine would not load it at all.
+        raise ValueError(
+            f"--actor.lora.target_modules {' '.join(lora.target_modules)} matches lm_head: "
+            "adapt the decoder's projections (e.g. '*_proj'), not the LM head"
+        )
 
 
 def validate_actor_devices(actor: ActorConfig, fsdp: FSDPConfig, num_gpus_available: int) -> None:

@@ -48,6 +48,14 @@ from molt_train.checkpoint import (
     set_rng_state,
     write_hf_checkpoint,
 )
+from molt_train.lora import (
+    ADAPTER_KEYS,
+    adapter_scales,
+    add_adapters,
+    merge_adapters,
+    peft_config,
+    write_adapter,
+)
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack
 from molt_train.step_metrics import all_reduce_step_metrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
@@ -116,6 +124,8 @@ class ModelWorker:
         self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
         self.refitter = None
         self.unconverted: set[str] | None = None  # names revert_weight_conversion leaves alone
+        self.lora = cfg.lora if role == "policy" and cfg.lora.rank else None  # the policy only
+        self.lora_scales: dict[str, float] = {}  # adapted layer -> alpha / rank
         self.optimizer = self.scheduler = None
         self.steps = 0
 
@@ -182,6 +192,8 @@ class ModelWorker:
         # per-rank seed below is for everything after.
         torch.manual_seed(self.cfg.seed)
         self.model = self._build_model(model_path)
+        if self.lora is not None:
+            self.lora_scales = {_hf_name(n): s for n, s in adapter_scales(self.model).items()}
         self.routers = moe_routers(self.model) if self.routing_replay else []
         if self.routing_replay and not self.routers:
             raise ValueError(
@@ -244,6 +256,8 @@ class ModelWorker:
             if self.cfg.freeze_moe_router:  # applied before sharding, like below
                 router = ModuleSelector(glob="*" + ROUTER_MARKER.rstrip("."))
                 extra["freeze_config"] = FreezeConfig(freeze_modules=[router])
+            if self.lora is not None:  # adapters added and the base frozen before sharding
+                extra["peft_config"] = peft_config(self.lora)
             # No Liger kernels: the trainer computes log-probs itself from the hidden states.
             return NeMoAutoModelForCausalLM.from_pretrained(
                 path,
@@ -268,6 +282,8 @@ class ModelWorker:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, attn_implementation="sdpa"
             )
+        if self.lora is not None:  # before sharding, as AutoModel's factory does on GPU
+            add_adapters(model, self.lora)
         if self.cfg.freeze_moe_router:  # before sharding: FSDP reads requires_grad then
             for name, param in model.named_parameters():
                 if router_params([name]):
@@ -505,18 +521,23 @@ class ModelWorker:
         if self.unconverted is None:  # the names never change: probe once (3 ms of 8, 1.7B)
             self.unconverted = set() if adapter else _unconverted_names(self.model, state)
         as_is = self.unconverted
-        for name, tensor in state.items():
-            if isinstance(tensor, DTensor):
-                # With offload the shards live on the host; gather on the device.
-                tensor = tensor.to(self.device).full_tensor()
-            tensor = tensor.detach().to(dtype or tensor.dtype)
-            name = _hf_name(name)
+        gathered = ((_hf_name(name), self._full(tensor)) for name, tensor in state.items())
+        if self.lora_scales:  # the engines serve W + s B A under W's name (molt_train.lora)
+            gathered = merge_adapters(gathered, self.lora_scales)
+        for name, tensor in gathered:
+            tensor = tensor.to(dtype or tensor.dtype)
             if adapter is not None:  # native AutoModel classes (MoE) map their own layout
                 yield from adapter.convert_single_tensor_to_hf(name, tensor)
             elif name in as_is:
                 yield name, tensor
             else:  # transformers classes undo their load-time conversions (fused MoE experts)
                 yield from revert_weight_conversion(self.model, {name: tensor}).items()
+
+    def _full(self, tensor: Tensor) -> Tensor:
+        if isinstance(tensor, DTensor):
+            # With offload the shards live on the host; gather on the device.
+            tensor = tensor.to(self.device).full_tensor()
+        return tensor.detach()
 
     def full_state(self) -> dict | None:
         """Unsharded weights (from `named_full_tensors`) and optimizer state on rank 0's host,
@@ -592,7 +613,8 @@ class ModelWorker:
 
     def export_hf(self, path: str) -> None:
         """safetensors shards + config + tokenizer, written by rank 0, in the dtype the source
-        checkpoint declares (the model trains on fp32 master weights)."""
+        checkpoint declares (the model trains on fp32 master weights). With LoRA these are the
+        merged weights, and `<path>_adapter` holds the adapters alone (PEFT format)."""
         from transformers import AutoConfig
 
         config = copy.deepcopy(self.model.config)
@@ -606,6 +628,17 @@ class ModelWorker:
         else:
             for _ in tensors:
                 pass
+        if self.lora is not None:  # and the adapters alone, beside it (molt_train.lora)
+            adapters = (
+                (_hf_name(name), self._full(t).to(config.dtype))
+                for name, t in self.model.state_dict().items()
+                if name.endswith(ADAPTER_KEYS)
+            )
+            if self.rank == 0:
+                write_adapter(f"{path}_adapter", adapters, self.lora, self.model_path)
+            else:
+                for _ in adapters:
+                    pass
         dist.barrier()
 
     def shutdown(self) -> None:
