@@ -19,11 +19,13 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from molt_train.actor_config import LoRAConfig
+if TYPE_CHECKING:  # actor_config validates with this module's matcher: no cycle at run time
+    from molt_train.actor_config import LoRAConfig
 
 ADAPTER_KEYS = (".lora_A.weight", ".lora_B.weight")
 
