@@ -5,7 +5,9 @@ model build with FSDP2 (bf16 compute, fp32 master weights), a packed-vs-separate
 (packing must isolate sequences with the GPU attention kernels too), optimizer steps with
 throughput and peak memory, the refit gather (every full tensor, bf16), and with
 `--routing-replay` (a MoE model) MoE routing replay: replaying the routers' own choice changes
-no log-prob, replaying other experts does, and a step trains under replay. Only torch,
+no log-prob, replaying other experts does, and a step trains under replay. With `--lora-rank`
+the policy has LoRA adapters (AutoModel's factory adds them): only they train, and the gather
+sends W + s B A under the checkpoint's names. Only torch,
 transformers and NeMo AutoModel are needed (no Ray, no vLLM):
 
     # a random Qwen3-1.7B-shaped model (no download), then 2 GPUs
@@ -132,6 +134,34 @@ def routing_replay_check(worker, vocab: int, experts: int) -> dict:
     return {**results, "replay_step_grad_norm": step["train/grad_norm"]}
 
 
+def lora_check(worker) -> dict:
+    """Only adapters train; each merged weight (fp32 gather) equals W + s B A of the gathered
+    raw tensors."""
+    trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
+    raw = {n: worker._full(t).float() for n, t in worker.model.state_dict().items()}
+    merged = dict(worker.named_full_tensors(torch.float32))
+    worst, b_max, unnamed = 0.0, 0.0, 0
+    for layer, scale in worker.lora_scales.items():
+        a, b = raw[f"{layer}.lora_A.weight"], raw[f"{layer}.lora_B.weight"]
+        b_max = max(b_max, float(b.abs().max()))
+        if f"{layer}.weight" not in merged:  # a native class renamed it for HF
+            unnamed += 1
+            continue
+        expected = raw[f"{layer}.weight"] + scale * (b @ a)
+        worst = max(worst, float((merged[f"{layer}.weight"] - expected).abs().max()))
+    return {
+        "lora_layers": len(worker.lora_scales),
+        "lora_trainable_all_adapters": all(".lora_A." in n or ".lora_B." in n for n in trainable),
+        "lora_trainable_params": len(trainable),
+        "lora_B_max_abs_after_steps": b_max,
+        "lora_merge_max_abs_err": worst,
+        "lora_layers_not_under_their_own_name": unnamed,
+        "lora_frozen_W_dtype": str(
+            next(p.dtype for p in worker.model.parameters() if not p.requires_grad)
+        ),  # fmt: skip
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="HF directory to train")
@@ -156,6 +186,7 @@ def main() -> None:
     parser.add_argument("--freeze-moe-router", action="store_true")
     parser.add_argument("--routing-replay", action="store_true", help="check MoE routing replay")
     parser.add_argument("--role", default="policy", choices=["policy", "critic"])
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA on every projection")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: checks the script only")
     args = parser.parse_args()
     if args.write_model:
@@ -167,6 +198,7 @@ def main() -> None:
     from molt_train.actor_config import (
         ActorConfig,
         FSDPConfig,
+        LoRAConfig,
         OptimConfig,
         validate_actor_config,
         validate_actor_devices,
@@ -184,7 +216,9 @@ def main() -> None:
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         gradient_checkpointing=args.gradient_checkpointing,
         freeze_moe_router=args.freeze_moe_router,
-        optim=OptimConfig(lr=1e-6),
+        # LoRA's B starts at zero: a larger step makes the merge visible in bf16.
+        optim=OptimConfig(lr=1e-4 if args.lora_rank else 1e-6),
+        lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
     )
     fsdp = FSDPConfig(tp_size=args.tp, ep_size=args.ep, offload=args.offload)
     on_gpu = not args.cpu
@@ -262,6 +296,8 @@ def main() -> None:
         results["refit_names_match_hf"] = shapes == expected
         if shapes != expected:
             results["refit_name_diff"] = sorted(set(shapes) ^ set(expected))[:8]
+    if args.lora_rank:
+        results.update(lora_check(worker))
     # 4. MoE routing replay.
     if args.routing_replay:
         experts = getattr(worker.model.config, "num_experts", None) or args.experts
