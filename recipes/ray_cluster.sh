@@ -33,7 +33,7 @@ case $role in
     deadline=$((SECONDS + timeout_s))
     seen=0
     while ((SECONDS < deadline)); do
-      seen=$(python3 - "$head_ip:$port" <<'PY' 2>/dev/null || echo 0
+      seen=$(timeout 60 python3 - "$head_ip:$port" <<'PY' 2>/dev/null || echo 0
 import sys
 
 import ray

@@ -27,10 +27,7 @@ def node(*args: str) -> subprocess.Popen:
 
 def test_head_and_worker_form_one_cluster(tmp_path):
     port = str(free_port())
-    # Its own temp dir: `ray start` records the cluster's address there, and a plain
-    # `ray.init()` elsewhere on the machine must not find (and join) this test's cluster.
-    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}',
-                "--temp-dir", str(tmp_path / "ray"))  # fmt: skip
+    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}')
     worker = None
     try:
         worker = node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "1",
@@ -57,6 +54,11 @@ def test_head_and_worker_form_one_cluster(tmp_path):
         for process in (worker, head):
             if process is not None:
                 process.wait(60)
+    # `ray start` records the head's address for plain `ray.init()` calls on this machine
+    # (Molt's own pass address="local"); a file naming the ended test cluster must not stay.
+    address_file = Path("/tmp/ray/ray_current_cluster")
+    if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+        address_file.unlink()
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
                               capture_output=True, text=True)  # fmt: skip
