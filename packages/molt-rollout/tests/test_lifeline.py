@@ -86,7 +86,7 @@ def test_the_reaper_kills_every_descendant_of_a_killed_owner():
     )
     owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
     grandchild = int(owner.stdout.readline())
-    time.sleep(1.5)  # the reaper has seen the tree
+    time.sleep(5.0)  # the reaper has seen the tree (it polls every 0.5 s once started)
     owner.kill()  # not reaped yet: a zombie owner counts as gone
     assert wait_gone([grandchild], timeout_s=10) == []
     owner.wait()

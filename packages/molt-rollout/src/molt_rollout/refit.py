@@ -216,9 +216,7 @@ class Refitter:
         self._on_all(lambda e: e.post("/update_weight_version", {"new_version": str(version)}))
 
     def pause(self, mode: str = "keep") -> None:
-        # The prefix cache stays: requests are salted with the weight version (client.py), so
-        # none reuses blocks of other weights, and resetting a large cache costs ~0.2 s.
-        self._on_all(lambda e: e.post("/pause", mode=mode, clear_cache="false"))
+        self._on_all(lambda e: e.post("/pause", mode=mode))
 
     def resume(self) -> None:
         self._on_all(lambda e: e.post("/resume"))
