@@ -25,6 +25,7 @@ import ray
 from molt_algos import GROUP_ESTIMATORS, kl_controller
 from molt_rollout import lifeline
 from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
+from molt_rollout.engine import COLOCATED_GPU_SHARE
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
 from molt_rollout.refit import set_sleeping
@@ -76,7 +77,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     # Colocated: one-GPU bundles that the engine and every model's rank i share; in Ray's books
     # the engine takes half of each, the models the other half.
     bundles = gpu_bundles(max(model_ranks(cfg))) if cfg.train.colocate else None
-    share = None if bundles is None else (bundles, int(5000 / len(model_roles(cfg))) / 1e4)
+    left = (1 - COLOCATED_GPU_SHARE) / len(model_roles(cfg))
+    share = None if bundles is None else (bundles, int(left * 1e4) / 1e4)  # Ray's 1e-4 grain
 
     def start_rollout() -> RolloutService:
         return RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
