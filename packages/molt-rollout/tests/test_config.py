@@ -6,6 +6,7 @@ import typing
 import pytest
 
 from molt_capture import PARSERS
+from molt_rollout.adapters import AdapterServing, engine_lora_rank
 from molt_rollout.config import (
     ParserName,
     RefitConfig,
@@ -210,6 +211,21 @@ def test_extra_args_appended_verbatim_last():
     assert cfg.extra_args == extra
 
 
+def test_adapter_serving_adds_vllms_lora_flags():
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(ValueError, match="512"):
+        engine_lora_rank(513)
+    serving = AdapterServing(rank=4, keep=3)
+    args = server_args(VLLMConfig(extra_args=["--seed", "1"]), "m", 1, "molt_gloo", serving)
+    assert args[-2:] == ["--seed", "1"]  # extra args still come last
+    assert "--enable-lora" in args
+    for flag, value in (("--max-lora-rank", "8"), ("--max-loras", "3"), ("--max-cpu-loras", "4")):
+        assert flag_value(args, flag) == value
+    assert "--enable-lora" not in server_args(VLLMConfig(), "m", 1, "molt_gloo")
+    assert serving.adapter(7) == "molt-lora-v7"
+    assert serving.server_env() == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 @pytest.mark.slow
 def test_vllm_parses_the_command_line():
     """Every flag Molt passes exists in the installed vLLM, with the meaning Molt intends
@@ -244,3 +260,8 @@ def test_vllm_parses_the_command_line():
     assert ns.enable_prefix_caching is False
     assert ns.enable_return_routed_experts is True
     assert ns.weight_transfer_config.backend == "nccl"
+
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser())
+    ns = parser.parse_args(server_args(VLLMConfig(), "m", 1, "molt_gloo", AdapterServing(8, 3)))
+    assert ns.enable_lora is True and ns.max_lora_rank == 8
+    assert ns.max_loras == 3 and ns.max_cpu_loras == 4

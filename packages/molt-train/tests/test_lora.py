@@ -132,3 +132,36 @@ def test_only_the_policy_is_adapted():
     for role, adapted in (("policy", True), ("reference", False), ("critic", False)):
         worker = ModelWorker(cfg, FSDPConfig(), role, 0, 1, on_gpu=False)
         assert (worker.lora is not None) == adapted, role
+
+
+def test_the_adapter_refit_writes_what_merges_into_the_served_weights(tiny_model, tmp_path):
+    """--actor.lora.refit adapter: the adapters leave under the checkpoint's layer names, and
+    their PEFT files merged into the base checkpoint give exactly the merged refit's weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from molt_train.lora import write_adapter
+
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=LORA.target_modules, refit="adapter")
+    worker = worker_over(lora_model(tiny_model, lora), lora)
+    worker.check_adapter_names()  # transformers' Qwen3 keeps every projection's name
+    base = load_file(f"{tiny_model}/model.safetensors")
+    adapters = dict(worker.named_adapter_tensors(torch.float32))
+    assert {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapters} <= set(base)
+    write_adapter(str(tmp_path / "v1"), adapters.items(), lora, tiny_model)
+    files = load_file(tmp_path / "v1" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "v1" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    merged = dict(worker.named_full_tensors())
+    scale = config["lora_alpha"] / config["r"]
+    for key, a in files.items():
+        if key.endswith(".lora_A.weight"):
+            layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = files[f"base_model.model.{layer}.lora_B.weight"]
+            expected = base[f"{layer}.weight"] + scale * (b @ a)
+            torch.testing.assert_close(merged[f"{layer}.weight"], expected, atol=1e-6, rtol=0)
+
+    worker.unconverted = {n for n in base if ".q_proj." not in n}  # as if q_proj were fused
+    with pytest.raises(ValueError, match=r"--actor.lora.refit adapter: the adapted layer .*q_proj"):
+        worker.check_adapter_names()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from molt_train.cli import QUICKSTART, flag_rows, flags_markdown, parse
-from molt_train.config import RunConfig, validate_run_config
+from molt_train.config import RunConfig, adapter_serving, validate_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -85,6 +85,16 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--actor.lora.rank", "-1"], ["--actor.lora.rank"]),
         (["--actor.lora.rank", "8", "--actor.lora.target_modules", "*.q_proj", "lm_head"],
          ["--actor.lora.target_modules", "lm_head"]),
+        (["--actor.lora.refit", "adapter"], ["--actor.lora.refit adapter", "--actor.lora.rank"]),
+        (["--actor.lora.rank", "1024", "--actor.lora.refit", "adapter"],
+         ["--actor.lora.refit adapter", "--actor.lora.rank 1024", "512"]),
+        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--train.max_staleness",
+          "None"], ["--actor.lora.refit adapter", "--train.max_staleness"]),
+        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--refit.report_unupdated"],
+         ["--refit.report_unupdated", "--actor.lora.refit"]),
+        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--train.colocate",
+          "--vllm.enable_sleep_mode", "--train.partial_rollout_enable", "False"],
+         ["--vllm.enable_sleep_mode", "--actor.lora.refit adapter"]),
     ],
 )  # fmt: skip
 def test_bad_combinations_name_their_flags(argv, flags):
@@ -92,6 +102,25 @@ def test_bad_combinations_name_their_flags(argv, flags):
         validate_run_config(_cfg(argv))
     for flag in flags:
         assert flag in str(error.value), (flag, str(error.value))
+
+
+def test_adapter_refit_sets_the_engines_lora_serving():
+    """One owner: the engines' LoRA settings follow --actor.lora.* and the staleness bound."""
+    assert adapter_serving(_cfg(["--actor.lora.rank", "8"])) is None  # merged: plain engines
+    serving = adapter_serving(_cfg(["--actor.lora.rank", "12", "--actor.lora.refit", "adapter",
+                                    "--train.max_staleness", "3"]))  # fmt: skip
+    assert (serving.rank, serving.keep) == (12, 4)  # versions t-3 .. t can still be trained
+    args = serving.server_args()
+    assert args[args.index("--max-lora-rank") + 1] == "16"  # vLLM's next allowed rank
+    assert args[args.index("--max-loras") + 1] == "4"
+    forced = _cfg(["--actor.lora.rank", "8", "--actor.lora.refit", "adapter",
+                   "--train.force_on_policy", "--train.max_staleness", "None"])  # fmt: skip
+    validate_run_config(forced)  # on-policy: the bound is 0 whatever max_staleness says
+    assert adapter_serving(forced).keep == 1
+    cfg = _cfg(["--actor.lora.rank", "8", "--actor.lora.refit", "adapter"])
+    own = dataclasses.replace(cfg.vllm, extra_args=["--max-loras=8"])
+    with pytest.raises(ValueError, match="--vllm.extra_args --max-loras=8 with --actor.lora.refit"):
+        validate_run_config(dataclasses.replace(cfg, vllm=own))
 
 
 def test_the_overlong_budget_comes_from_the_rollout_limits():

@@ -8,8 +8,9 @@ import molt_algos.logprobs as logprobs_module
 import molt_train.token_stats as token_stats
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.config import AlgoConfig
-from molt_train.model_worker import ModelWorker, _unconverted_names
+from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, pack
+from molt_train.weights_out import _unconverted_names
 
 
 def load(tmp_path, moe=False):

@@ -11,6 +11,13 @@ engine's version read just before sending, so a request never reuses prefix-cach
 computed under other weights, while requests kept in flight across a refit keep their own KV.
 A refit can land between the version read and the prefill; the reply's first token then
 reports a newer version than the salt, and the request is sent again with the new salt.
+
+Adapter refit (`adapter`, molt_rollout.adapters): the engines serve each weight version as a
+LoRA adapter of its own, and a request names the adapter of the version it read (`model`). It
+then runs wholly under that version, whatever refits land meanwhile, so every token is
+labelled with it; the engines' own version spans (the version they report as tokens are made)
+do not apply. An adapter gone from the engines (a 404: it left their window between the
+version read and the request) is asked for again with the current version.
 """
 
 import asyncio
@@ -60,23 +67,35 @@ def refused_param(response: httpx.Response) -> str | None:
     return named.group(1) if named else None
 
 
+class UnknownModel(GenerationError):
+    """The engine answered 404: it serves no model (adapter) of the name the request gave."""
+
+
 def weight_version_number(version: str) -> int:
     return 0 if version == INITIAL_VERSION else int(version)
 
 
+def adapter_name(prefix: str, version: int) -> str:
+    """The LoRA adapter the engines serve weight version `version` as (adapter refit)."""
+    return f"{prefix}-v{version}"
+
+
 def parse_generation(
-    reply: dict, prompt_len: int = 0, routing_start: int = 0, top_k: int = 0
-) -> Generation:
+    reply: dict, prompt_len: int = 0, routing_start: int = 0, top_k: int = 0,
+    version: int | None = None,
+) -> Generation:  # fmt: skip
     """One vLLM generate reply -> Generation, checking every per-token list against the ids.
-    `top_k` > 0: each token's k most likely candidates too (`top_candidates`)."""
+    `top_k` > 0: each token's k most likely candidates too (`top_candidates`). `version`: the
+    weight version of every token (a request that named its version's adapter); None: the
+    engine's version spans."""
     choice = reply["choices"][0]
     token_ids = list(choice["token_ids"])
     n = len(token_ids)
     entries = (choice.get("logprobs") or {}).get("content") or []
     if len(entries) != n:
         raise GenerationError(f"engine returned {n} tokens but {len(entries)} log-probs")
-    versions: list[int] = []
-    for span in choice.get("weight_versions") or []:
+    versions: list[int] = [] if version is None else [version] * n
+    for span in [] if version is not None else choice.get("weight_versions") or []:
         if span["start"] != len(versions):
             raise GenerationError(
                 f"weight-version spans do not tile the output: {choice['weight_versions']}"
@@ -145,9 +164,12 @@ class TokenClient:
     """An async callable `(token_ids, SamplingParams, session_id) -> Generation`."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
-                 backoff_s: float = 0.5, top_logprobs: int = 0) -> None:  # fmt: skip
-        """`top_logprobs` > 0: every reply carries each token's top-k candidates."""
-        self.top_logprobs = top_logprobs
+                 backoff_s: float = 0.5, top_logprobs: int = 0,
+                 adapter: str | None = None) -> None:  # fmt: skip
+        """`top_logprobs` > 0: every reply carries each token's top-k candidates. `adapter`:
+        the engines serve version v as the LoRA adapter `adapter_name(adapter, v)`, which each
+        request names (adapter refit); None: the engines' own weights, named `model`."""
+        self.top_logprobs, self.adapter = top_logprobs, adapter
         self.url = base_url.rstrip("/") + GENERATE_PATH
         self.version_url = base_url.rstrip("/") + "/weight_info"
         self.version_races = 0  # requests re-sent because a refit landed mid-request
@@ -173,10 +195,10 @@ class TokenClient:
                 "routed_experts_prompt_start": params.routing_start,
             },
         }
+        if self.adapter is not None:
+            return await self._from_adapter(token_ids, params, headers, body)
         for _ in range(MAX_VERSION_RACES + 1):
-            version = weight_version_number(
-                (await self._request("GET", self.version_url, headers))["weight_version"]
-            )
+            version = await self._version(headers)
             body["cache_salt"] = f"molt-v{version}"
             reply = await self._request("POST", self.url, headers, body)
             generation = parse_generation(
@@ -190,6 +212,28 @@ class TokenClient:
         # produced them; only its prompt's cache salt was a version behind, as for a request
         # kept in flight across a refit.
         return generation
+
+    async def _from_adapter(
+        self, token_ids: list[int], params: SamplingParams, headers: dict, body: dict
+    ) -> Generation:
+        """Adapter refit: the request names the adapter of the version it read, so all its
+        tokens are that version's."""
+        for _ in range(MAX_VERSION_RACES + 1):
+            version = await self._version(headers)
+            body.update(model=adapter_name(self.adapter, version), cache_salt=f"molt-v{version}")
+            try:
+                reply = await self._request("POST", self.url, headers, body)
+            except UnknownModel:  # the adapter left the engines' window: read the version again
+                self.version_races += 1
+                continue
+            return parse_generation(reply, len(token_ids), params.routing_start,
+                                    self.top_logprobs, version)  # fmt: skip
+        raise GenerationError(f"the engines refused the adapter of the version they reported "
+                              f"({body['model']}) {MAX_VERSION_RACES + 1} times")  # fmt: skip
+
+    async def _version(self, headers: dict) -> int:
+        reply = await self._request("GET", self.version_url, headers)
+        return weight_version_number(reply["weight_version"])
 
     async def _request(
         self, method: str, url: str, headers: dict, body: dict | None = None
@@ -213,6 +257,8 @@ class TokenClient:
                     message = (
                         f"engine refused the request ({response.status_code}): {response.text}"
                     )
+                    if response.status_code == 404:
+                        raise UnknownModel(message)
                     param = refused_param(response)
                     raise EngineRefusal(param, message) if param else GenerationError(message)
                 failure = f"engine error {response.status_code}: {response.text[:500]}"

@@ -5,11 +5,16 @@ router and refit. molt-train composes these into its run config; nothing re-decl
 combination the runners or engines cannot honour. Choices are `Literal`s, which the CLI checks.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from molt_capture.server import MAX_REQUEST_BYTES
 from molt_rollout.vllm_compat import native_weight_versions, version_server_args, vllm_version
+
+if TYPE_CHECKING:
+    from molt_rollout.adapters import AdapterServing
 
 GPU_MEMORY_UTILIZATION = 0.85  # an engine's share of its own GPUs
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.45  # ... of GPUs it shares with the trainer
@@ -178,8 +183,10 @@ def _validate_engines(vllm: VLLMConfig) -> None:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
 
 
-def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str) -> list[str]:
-    """The vLLM OpenAI server's command line for one engine."""
+def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
+                adapters: AdapterServing | None = None) -> list[str]:  # fmt: skip
+    """The vLLM OpenAI server's command line for one engine (`adapters`: with vLLM's LoRA
+    serving, for the adapter refit)."""
     args = [
         "--model", model,
         "--host", "127.0.0.1",
@@ -208,4 +215,6 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str) 
         args += ["--speculative-config", spec]
     if vllm.enable_return_routed_experts:
         args.append("--enable-return-routed-experts")
+    if adapters is not None:
+        args += adapters.server_args()
     return args + list(vllm.extra_args)

@@ -6,6 +6,8 @@ timeout, health, captured logs, clean shutdown. When a server dies, every error 
 engine and carries its last log lines.
 """
 
+from __future__ import annotations
+
 import os
 import socket
 import subprocess
@@ -13,12 +15,16 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import ray
 
 from molt_rollout import lifeline
 from molt_rollout.config import VLLMConfig, server_args
+
+if TYPE_CHECKING:
+    from molt_rollout.adapters import AdapterServing
 
 LOG_TAIL_LINES = 40
 
@@ -44,8 +50,9 @@ class EngineServer:
     """One vLLM server process (plain Python: the actor below wraps it)."""
 
     def __init__(self, index: int, cfg: VLLMConfig, model: str, transfer_backend: str,
-                 log_dir: str, on_gpu: bool) -> None:  # fmt: skip
-        self.index, self.cfg, self.model = index, cfg, model
+                 log_dir: str, on_gpu: bool, adapters: AdapterServing | None = None) -> None:  # fmt: skip
+        """`adapters`: the engine serves the policy's LoRA adapters (adapter refit)."""
+        self.index, self.cfg, self.model, self.adapters = index, cfg, model, adapters
         self.transfer_backend, self.on_gpu = transfer_backend, on_gpu
         self.log_path = Path(log_dir) / f"engine_{index}.log"
         self.process: subprocess.Popen | None = None
@@ -65,8 +72,10 @@ class EngineServer:
             # two, and costs start-up a third interpreter (quickstart median step 2.1 -> 0.9 s,
             # docs/benchmarks.md).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.adapters is not None:
+            env.update(self.adapters.server_env())
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        command += server_args(self.cfg, self.model, port, self.transfer_backend)
+        command += server_args(self.cfg, self.model, port, self.transfer_backend, self.adapters)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Appended to: a restarted engine's log keeps the lines of the death that caused it.
         with self.log_path.open("a") as log:
@@ -163,7 +172,7 @@ class EngineGroup:
     trainer's rank i takes. None: each engine holds its own GPUs."""
 
     def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
-                 on_gpu: bool, placement=None) -> None:  # fmt: skip
+                 on_gpu: bool, placement=None, adapters: AdapterServing | None = None) -> None:  # fmt: skip
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = cfg.tensor_parallel_size * cfg.data_parallel_size if on_gpu else 0
@@ -177,7 +186,7 @@ class EngineGroup:
             ]  # fmt: skip
         self.actors = [
             EngineActor.options(**options[i]).remote(
-                i, cfg, model, transfer_backend, log_dir, on_gpu
+                i, cfg, model, transfer_backend, log_dir, on_gpu, adapters
             )
             for i in range(cfg.num_engines)
         ]

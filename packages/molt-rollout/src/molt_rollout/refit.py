@@ -57,7 +57,10 @@ class EngineControl:
             raise RefitError(
                 f"{self.url}{path} answered {response.status_code}: {response.text[:1000]}"
             )
-        return response.json() if response.content else {}
+        try:
+            return response.json() if response.content else {}
+        except ValueError:  # vLLM's LoRA routes answer plain text
+            return {"text": response.text}
 
     def weight_version(self) -> str:
         try:
@@ -246,10 +249,11 @@ class Refitter:
         lap("pause")
         self._on_all(lambda e: e.post("/start_weight_update"))
         lap("start")
-        num_buckets = 0
+        num_buckets = num_bytes = 0
         for meta, tensors in iter_buckets(named_tensors, self.cfg.bucket_mb << 20):
             self._send_bucket(meta, tensors)
             num_buckets += 1
+            num_bytes += sum(t.nbytes for t in tensors)
         lap("transfer")
         self._on_all(lambda e: e.post("/finish_weight_update", {"weight_version": str(version)}))
         lap("finish")
@@ -257,6 +261,7 @@ class Refitter:
         lap("resume")
         times["timing/refit_total"] = time.perf_counter() - start
         times["refit/buckets"] = float(num_buckets)
+        times["refit/bytes"] = float(num_bytes)  # to each engine
         if before is not None:
             after = self._on_all(EngineControl.checksums)
             unchanged = sorted(

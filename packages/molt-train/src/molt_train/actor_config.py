@@ -47,6 +47,10 @@ class LoRAConfig:
     alpha: float = 32.0  # scale = alpha / rank
     # Linear layers to adapt: full module names or AutoModel wildcards (* matches any text).
     target_modules: list[str] = field(default_factory=lambda: ["*_proj"])
+    # How RL engines get the policy: merged = W + (alpha / rank) B A under W's name, through
+    # the weight-transfer protocol; adapter = A and B alone, served by vLLM's LoRA support:
+    # a smaller refit, slower decoding, see docs/training.md, LoRA.
+    refit: Literal["merged", "adapter"] = "merged"
 
 
 @dataclass
@@ -104,12 +108,23 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
 def validate_lora_config(lora: LoRAConfig) -> None:
     """LoRA settings that are wrong on any model, or that would make the engines serve another
     policy than the one trained."""
+    # Imported here: ModelWorker imports this module and runs without Ray or vLLM (torchrun).
+    from molt_rollout.adapters import MAX_ENGINE_LORA_RANK
     from molt_train.lora import adapts_lm_head
 
     if lora.rank < 0:
         raise ValueError(f"--actor.lora.rank must be >= 0 (0: no LoRA), got {lora.rank}")
     if not lora.rank:
+        if lora.refit == "adapter":
+            raise ValueError("--actor.lora.refit adapter serves LoRA adapters: it needs "
+                             "--actor.lora.rank > 0")  # fmt: skip
         return
+    if lora.refit == "adapter" and lora.rank > MAX_ENGINE_LORA_RANK:
+        raise ValueError(
+            f"--actor.lora.refit adapter with --actor.lora.rank {lora.rank}: vLLM serves "
+            f"adapters up to rank {MAX_ENGINE_LORA_RANK} (its largest --max-lora-rank); use "
+            "--actor.lora.refit merged"
+        )
     if not lora.alpha > 0:
         raise ValueError(f"--actor.lora.alpha must be > 0, got {lora.alpha}")
     if not lora.target_modules or not all(lora.target_modules):

