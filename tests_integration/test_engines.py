@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from molt_capture.types import SamplingParams
 from molt_rollout.client import GENERATE_PATH, weight_version_number
+from molt_rollout.refit import Refitter
 from molt_rollout.router import SESSION_HEADER
 
 PROMPT = list(range(10, 74))  # 64 token ids
@@ -168,6 +169,32 @@ def test_in_flight_requests_survive_refit_with_two_version_spans(rollout, weight
         if all(len(choice["weight_versions"]) == 2 for choice in results):
             return
     pytest.skip("no try had every request mid-generation at the pause (loaded machine)")
+
+
+def test_a_refit_cut_short_at_its_start_is_released_and_redone(rollout, weights):
+    # What an engine's death between `start_weight_update` and the first bucket leaves on the
+    # survivors, built directly: paused, an update open. Restarting the dead engine is
+    # test_train's killed-engine test; here the survivors' side alone, every time.
+    greedy = dict(max_tokens=12, temperature=0.0)
+    original = generate(rollout, PROMPT, "cut-short", **greedy)
+    start = current_version(rollout)
+    old = rollout.refitter
+    old.pause()
+    old._on_all(lambda e: e.post("/start_weight_update"))
+    old.release()  # finishes the open update (nothing loaded), then ends the group
+    assert current_version(rollout) == start
+    rollout.refitter = Refitter(rollout.engine_urls, rollout.workers_per_engine, old.cfg,
+                                on_gpu=False)  # fmt: skip
+    rollout.refitter.init_transfer()  # a new group with the same engines, as after a restart
+    perturbed = {
+        k: v + 0.5 * torch.randn_like(v) if "lm_head" in k else v for k, v in weights.items()
+    }
+    refit_with(rollout, perturbed)
+    assert generate(rollout, PROMPT, "cut-short", **greedy)["token_ids"] != original["token_ids"]
+    refit_with(rollout, weights)
+    restored = generate(rollout, PROMPT, "cut-short", **greedy)
+    assert restored["token_ids"] == original["token_ids"]
+    assert [s["version"] for s in restored["weight_versions"]] == [str(start + 2)]
 
 
 def test_no_prefix_cache_reuse_across_refit(rollout, weights):

@@ -195,9 +195,10 @@ class Refitter:
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)))
         self.last_unupdated: list[str] = []  # with --refit.report_unupdated: the last refit's
 
-    def _on_all(self, call: Callable[[EngineControl], object]) -> list:
+    def _on_all(self, call: Callable[[EngineControl], object], calls: int = 1) -> list:
+        """`call` on every engine at once; it makes `calls` HTTP calls, each within the timeout."""
         futures = [self.pool.submit(call, engine) for engine in self.engines]
-        return [f.result(timeout=self.cfg.timeout_s) for f in futures]
+        return [f.result(timeout=calls * self.cfg.timeout_s) for f in futures]
 
     def init_transfer(self) -> None:
         """Rendezvous the trainer (rank 0) with every engine worker: once per run, and again
@@ -283,13 +284,19 @@ class Refitter:
     def release(self) -> None:
         """End this weight-transfer group on every engine still running, so a new Refitter can
         rendezvous with them all (after an engine restart: vLLM's workers join one group at a
-        time). A dead or replaced engine has nothing to release; its error is ignored."""
+        time). A dead or replaced engine has nothing to release; its error is ignored.
+
+        A refit cut short by an engine's death leaves the survivors' weight update open, and
+        vLLM refuses to end a group during one: finish it first. Finishing with nothing loaded
+        keeps the old weights and version; where no update is open, vLLM's refusal is ignored."""
 
         def shutdown(engine: EngineControl) -> None:
             with contextlib.suppress(RefitError):
+                engine.post("/finish_weight_update")
+            with contextlib.suppress(RefitError):
                 engine.post("/shutdown_weight_transfer_engine")
 
-        self._on_all(shutdown)
+        self._on_all(shutdown, calls=2)
         self.close()
 
     def close(self) -> None:
