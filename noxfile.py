@@ -43,6 +43,7 @@ ALLOWED_DEPS = {
         "ray",
         "vllm-router",
         "httpx",
+        "aiohttp",
         "datasets",
         "psutil",
         "pyarrow",

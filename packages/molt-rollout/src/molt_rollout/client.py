@@ -23,9 +23,10 @@ version read and the request) is asked for again with the current version.
 import asyncio
 import base64
 import io
+import json
 import re
 
-import httpx
+import aiohttp
 import numpy as np
 
 from molt_capture.errors import ParamRejected
@@ -53,14 +54,14 @@ class EngineRefusal(GenerationError, ParamRejected):
 _SAMPLING_FIELDS = ("stop", "temperature", "top_p", "max_tokens")
 
 
-def refused_param(response: httpx.Response) -> str | None:
-    """The sampling parameter a 4xx names: vLLM's `param`, else one named in its message."""
+def refused_param(text: str) -> str | None:
+    """The sampling parameter a 4xx's body names: vLLM's `param`, else one in its message."""
     try:
-        body = response.json()
+        body = json.loads(text)
         error = body.get("error", body) if isinstance(body, dict) else {}
         param, message = error.get("param"), str(error.get("message", ""))
     except (ValueError, AttributeError):
-        param, message = None, response.text
+        param, message = None, text
     if param in _SAMPLING_FIELDS:
         return param
     named = re.search(r"\b(" + "|".join(_SAMPLING_FIELDS) + r")\b", message)
@@ -174,8 +175,11 @@ class TokenClient:
         self.version_url = base_url.rstrip("/") + "/weight_info"
         self.version_races = 0  # requests re-sent because a refit landed mid-request
         self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                      limits=httpx.Limits(max_connections=None))  # fmt: skip
+        # aiohttp, not httpx: with a runner's hundreds of concurrent rollouts, httpx's pool
+        # scans every connection per request (14 ms of CPU a rollout against 0.7 ms here;
+        # docs/benchmarks.md, issue 13). No limit: one connection per rollout in flight.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=timeout_s)
+        self.http: aiohttp.ClientSession | None = None  # made in the caller's event loop
 
     async def __call__(
         self, token_ids: list[int], params: SamplingParams, session_id: str
@@ -238,33 +242,35 @@ class TokenClient:
     async def _request(
         self, method: str, url: str, headers: dict, body: dict | None = None
     ) -> dict:
+        if self.http is None:
+            self.http = aiohttp.ClientSession(timeout=self.timeout,
+                                              connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self.http.request(method, url, json=body, headers=headers)
-            except (httpx.ReadTimeout, httpx.WriteTimeout) as error:  # the engine is stuck
+                async with self.http.request(method, url, json=body, headers=headers) as response:
+                    status, text = response.status, await response.text()
+            except aiohttp.SocketTimeoutError as error:  # no reply in time: the engine is stuck
                 raise GenerationError(f"{url} timed out ({error!r})") from error
-            except httpx.TransportError as error:
+            except aiohttp.ClientError as error:  # refused, dropped, or a connect timeout
                 failure = f"connection error {error!r}"
             else:
-                if response.status_code < 400:
+                if status < 400:
                     try:
-                        return response.json()
+                        return json.loads(text)
                     except ValueError as error:
-                        raise GenerationError(
-                            f"{url} answered non-JSON: {response.text[:200]}"
-                        ) from error
-                if response.status_code < 500:
-                    message = (
-                        f"engine refused the request ({response.status_code}): {response.text}"
-                    )
-                    if response.status_code == 404:
+                        raise GenerationError(f"{url} answered non-JSON: {text[:200]}") from error
+                if status < 500:
+                    message = f"engine refused the request ({status}): {text}"
+                    if status == 404:
                         raise UnknownModel(message)
-                    param = refused_param(response)
+                    param = refused_param(text)
                     raise EngineRefusal(param, message) if param else GenerationError(message)
-                failure = f"engine error {response.status_code}: {response.text[:500]}"
+                failure = f"engine error {status}: {text[:500]}"
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise GenerationError(f"{url} failed after {self.max_retries + 1} attempts: {failure}")
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
