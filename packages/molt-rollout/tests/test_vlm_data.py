@@ -8,13 +8,15 @@ import asyncio
 import io
 
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
 from molt_capture.media import ImageEncoder, MediaError, load_image_encoder
 from molt_capture.testing import FakeGenerator
 from molt_capture.types import Rollout
-from molt_rollout.agent import Dropped, Env, Result
+from molt_rollout.agent import ChatAgent, ChatContext, Dropped, Env, Result
+from molt_rollout.chat_runner import ChatRunner
 from molt_rollout.config import RolloutConfig
 from molt_rollout.env_runner import EnvRunner
 from molt_rollout.tiny_vlm import IMAGE_TOKENS, build_tiny_vlm
@@ -115,3 +117,85 @@ def test_text_only_runner_drops_an_image_row_clearly(encoder):
     runner.image_encoder = encoder
     dropped = asyncio.run(runner.run(bad, "r", "g"))
     assert dropped.reason == "bad_row" and "remote image URLs" in dropped.detail
+
+
+class LooksThroughOpenAI(ChatAgent):
+    """Sends the prompt (image parts as data URLs), then a local file as a second image."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    async def run(self, ctx: ChatContext) -> Result:
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        async with client:
+            messages = list(ctx.messages)
+            first = await client.chat.completions.create(model=ctx.model, messages=messages)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": [
+                             {"type": "image_url", "image_url": {"url": f"file://{self.path}"}},
+                             {"type": "text", "text": "and now?"}]}]  # fmt: skip
+            await client.chat.completions.create(model=ctx.model, messages=messages)
+        return Result(reward=1.0)
+
+
+def test_chat_agent_image_url_parts_are_rendered_token_exactly(encoder, tmp_path):
+    path = tmp_path / "green.png"
+    path.write_bytes(png("green"))
+    tokenizer = encoder.processor.tokenizer
+    sent = []
+
+    class Recording(FakeGenerator):
+        async def __call__(self, ids, params, session_id, images=()):
+            sent.append((list(ids), list(images)))
+            return await super().__call__(ids, params, session_id)
+
+    class Runner(ChatRunner):
+        def make_agent(self):
+            return LooksThroughOpenAI(str(path))
+
+    runner = Runner(Recording(tokenizer, ["It is red."]), tokenizer,
+                    RolloutConfig(max_len=200, generator_timeout_s=10), image_encoder=encoder)  # fmt: skip
+    try:
+        row = {"prompt": image_chat(1), "images": [{"bytes": png("red"), "path": None}]}
+        rollout = asyncio.run(runner.run(row, "r", "g"))
+    finally:
+        runner.close()
+    assert isinstance(rollout, Rollout), rollout
+    (seg,) = rollout.segments  # the second turn extended the first: one segment, two images
+    assert len(seg.turns) == 2 and len(seg.images) == 2
+    # The first prompt is exactly what the Env form renders: the processor's ids and pixels.
+    text = encoder.processor.apply_chat_template(image_chat(1), add_generation_prompt=True,
+                                                 tokenize=False)  # fmt: skip
+    want = encoder.encode(text, [png("red")])
+    assert sent[0][0] == want.token_ids and sent[0][1][0].mm_hash == want.images[0].mm_hash
+    green = encoder.encode(encoder.image_token, [png("green")]).images[0]
+    assert seg.images[1].mm_hash == green.mm_hash
+    assert [i.mm_hash for i in sent[1][1]] == [i.mm_hash for i in seg.images]
+    for image in seg.images:
+        run = seg.token_ids[image.offset : image.offset + image.length]
+        assert run == [encoder.image_token_id] * IMAGE_TOKENS
+    assert sent[1][0] == seg.token_ids[: len(sent[1][0])]
+
+
+def test_text_only_capture_server_keeps_the_clear_400(encoder):
+    tokenizer = encoder.processor.tokenizer
+
+    class Sends(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            async with client:
+                with pytest.raises(openai.BadRequestError, match="needs a multimodal model"):
+                    await client.chat.completions.create(model=ctx.model, messages=[
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {
+                            "url": "data:image/png;base64,AAAA"}}]}])  # fmt: skip
+            return Result(reward=0.0)
+
+    class Runner(ChatRunner):
+        agent_class = Sends
+
+    runner = Runner(FakeGenerator(tokenizer), tokenizer, RolloutConfig(generator_timeout_s=10))
+    try:
+        result = asyncio.run(runner.run({"prompt": "hi"}, "r", "g"))
+    finally:
+        runner.close()
+    assert isinstance(result, Dropped) and result.reason == "empty"

@@ -257,6 +257,32 @@ def message_images(messages: list[dict], pool: list | None = None, where: str = 
     return sources
 
 
+def data_url(source: Any, where: str = "image") -> str:
+    """An image in any `load_image` form as a PNG data URL (lossless: the pixels the processor
+    sees are the source's)."""
+    buffer = io.BytesIO()
+    load_image(source, where).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def openai_image_parts(messages: list[dict], pool: list | None = None) -> list[dict]:
+    """Chat messages with every image part (inline or from the row's `images`) as an OpenAI
+    `image_url` part holding a data URL: the ChatAgent's prompt, ready for an SDK."""
+    sources = iter(message_images(messages, pool))
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": data_url(next(sources))}}
+                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
 def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
     """(offset, length) of each maximal run of `token_id` in `ids`."""
     runs: list[tuple[int, int]] = []
