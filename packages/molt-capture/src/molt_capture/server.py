@@ -280,7 +280,10 @@ class CaptureServer:
         return JSONResponse(openai_wire.completion(result, self.model_name))
 
     async def _responses_turn(self, session: Session, raw: bytes):
-        parsed = await asyncio.to_thread(responses_wire.parse_request, raw, session.responses)
+        images = self.renderer.images is not None
+        parsed = await asyncio.to_thread(
+            responses_wire.parse_request, raw, session.responses, images
+        )
         result = await self._run(session, parsed.chat, raw)
         resp = responses_wire.response(parsed, result, self.model_name)
         # What a follow-up naming this response continues from (instructions are not carried).
@@ -290,7 +293,8 @@ class CaptureServer:
         return JSONResponse(resp)
 
     async def _anthropic_turn(self, session: Session, raw: bytes):
-        req, chat = await asyncio.to_thread(anthropic_wire.parse_request, raw)
+        images = self.renderer.images is not None
+        req, chat = await asyncio.to_thread(anthropic_wire.parse_request, raw, images)
         result = await self._run(session, chat, raw)
         if req.stream:
             return _sse(anthropic_wire.stream(result, self.model_name))
