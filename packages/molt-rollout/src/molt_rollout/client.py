@@ -161,6 +161,19 @@ def parse_routed_experts(
     return rows
 
 
+def check_placeholders(
+    gen: Generation, token_ids: list[int], images: list[ImageInput]
+) -> Generation:
+    """Refuse a reply that sampled an image placeholder token: vLLM embeds it as text, but the
+    trainer's VLM forward (transformers' Idefics3) takes every such id for an image slot and
+    has no image for it. Only a near-random model samples one (the tiny VLM: about 0.3% per
+    token); the rollout drops as `engine_error`."""
+    placeholders = {token_ids[image.offset] for image in images}
+    if placeholders & set(gen.token_ids):
+        raise GenerationError(f"the engine sampled an image placeholder token {placeholders}")
+    return gen
+
+
 def image_features(images: list[ImageInput]) -> dict:
     """The `features` of vLLM's token route for processed images: per image its tensors as
     vLLM's serialized MultiModalKwargsItem (laid out as vLLM's Idefics3 processor lays them:
@@ -230,7 +243,9 @@ class TokenClient:
         if images:
             body["features"] = image_features(images)
         if self.adapter is not None:
-            return await self._from_adapter(token_ids, params, headers, body)
+            return check_placeholders(
+                await self._from_adapter(token_ids, params, headers, body), token_ids, images
+            )
         for _ in range(MAX_VERSION_RACES + 1):
             version = await self._version(headers)
             body["cache_salt"] = f"molt-v{version}"
@@ -239,13 +254,13 @@ class TokenClient:
                 reply, len(token_ids), params.routing_start, self.top_logprobs
             )
             if not generation.weight_versions or generation.weight_versions[0] == version:
-                return generation
+                return check_placeholders(generation, token_ids, images)
             self.version_races += 1
         # Refits keep landing between the version read and the prefill (a busy engine): keep
         # the last answer rather than drop the rollout. Its tokens carry the versions that
         # produced them; only its prompt's cache salt was a version behind, as for a request
         # kept in flight across a refit.
-        return generation
+        return check_placeholders(generation, token_ids, images)
 
     async def _from_adapter(
         self, token_ids: list[int], params: SamplingParams, headers: dict, body: dict

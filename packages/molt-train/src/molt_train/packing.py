@@ -262,6 +262,12 @@ def image_tensors(samples: list[Sample]) -> dict[str, Tensor]:
     images = [image for s in samples for image in s.images]
     if not images:
         return {}
+    for s in samples:  # the model fills every placeholder id: each must be an image's
+        placeholders = {s.token_ids[image.offset] for image in s.images}
+        count = sum(1 for t in s.token_ids if t in placeholders)
+        if count != sum(image.length for image in s.images):
+            raise ValueError(f"{count} image placeholder tokens for images of "
+                             f"{sum(image.length for image in s.images)} (one was sampled?)")  # fmt: skip
     return {
         name: torch.from_numpy(np.concatenate([i.tensors[name] for i in images]))[None]
         for name in images[0].tensors
