@@ -33,4 +33,6 @@ def test_the_tiny_vlm_learns_to_read_the_image(tmp_path, task, agent):
     rewards = [r["rollout/reward_mean"] for r in rows]
     print(agent, [round(r, 2) for r in rewards], "vllm_kl", [r["is/vllm_kl"] for r in rows][:3])
     assert mean(rewards[-3:]) > 0.75, rewards  # above the prompt-blind 0.5
-    assert all(abs(r["is/vllm_kl"]) < 1e-3 for r in rows), [r["is/vllm_kl"] for r in rows]
+    # Engine and trainer agree at version match (None: a step with no such token).
+    kl = [r["is/vllm_kl"] for r in rows if r["is/vllm_kl"] is not None]
+    assert kl and all(abs(k) < 1e-5 for k in kl), kl
