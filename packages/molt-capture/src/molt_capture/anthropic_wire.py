@@ -64,9 +64,38 @@ Block = Annotated[
 ]
 
 
+class ImageSource(_Model):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None  # a data URL or a local file (molt_capture.media.load_image)
+
+    def as_source(self) -> str:
+        if self.type == "base64":
+            return f"data:{self.media_type or 'image/png'};base64,{self.data or ''}"
+        return self.url or ""
+
+
+class ImageBlock(_Model):
+    type: Literal["image"]
+    source: ImageSource
+
+
+ImageAwareBlock = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | ImageBlock,
+    Field(discriminator="type"),
+]
+
+
 class Message(_Model):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+
+class ImageMessage(Message):
+    """A message of a request to a multimodal model: user turns may hold image blocks."""
+
+    content: str | list[ImageAwareBlock]
 
 
 class Tool(_Model):
@@ -100,7 +129,8 @@ class CountTokensRequest(_Model):
     tools: list[Tool] | None = None
 
 
-def parse_request(raw: bytes) -> tuple[MessagesRequest, ChatRequest]:
+def parse_request(raw: bytes, images: bool = False) -> tuple[MessagesRequest, ChatRequest]:
+    """`images`: the server's model takes them (image blocks); else they get a 400."""
     req = parse(MessagesRequest, raw)
     req.refuse_sampling_extras()
     if req.output_format is not None:
@@ -108,7 +138,7 @@ def parse_request(raw: bytes) -> tuple[MessagesRequest, ChatRequest]:
     choice = req.tool_choice.type if req.tool_choice else "auto"
     refuse_tool_choice(choice)
     chat = ChatRequest(
-        messages=to_template(req.system, req.messages),
+        messages=to_template(req.system, req.messages, images),
         tools=convert_tools(req.tools),
         temperature=req.temperature,
         top_p=req.top_p,
@@ -144,19 +174,22 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> list[dict[str, Any]]:
+def to_template(
+    system: str | list[TextBlock] | None, messages: list[Any], images: bool = False
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     origin: list[str] = []  # each template message's field, for the tool-result check
     if system:
         out.append({"role": "system", "content": _text(system)})
         origin.append("system")
     for i, raw in enumerate(messages):
-        m = parse(Message, raw, f"messages.{i}")
+        m = parse(ImageMessage if images else Message, raw, f"messages.{i}")
         blocks = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )
         if m.role == "user":
-            texts = []
+            texts: list[str] = []
+            parts: list[dict[str, Any]] = []  # in template form, once an image is among them
             for j, b in enumerate(blocks):
                 if isinstance(b, ToolResultBlock):
                     out.append(
@@ -165,12 +198,18 @@ def to_template(system: str | list[TextBlock] | None, messages: list[Any]) -> li
                     origin.append(f"messages.{i}.content.{j}.tool_use_id")
                 elif isinstance(b, TextBlock):
                     texts.append(b.text)
+                    parts.append({"type": "text", "text": b.text})
+                elif isinstance(b, ImageBlock):
+                    parts.append({"type": "image", "image": b.source.as_source()})
                 else:
                     where = f"messages.{i}.content.{j}"
                     raise CaptureError(
                         400, f"{where}: a user turn cannot hold a {b.type} block", where
                     )
-            if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            if len(parts) > len(texts):  # an image: the parts, for the processor
+                out.append({"role": "user", "content": parts})
+                origin.append(f"messages.{i}")
+            elif texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": "".join(texts)})
                 origin.append(f"messages.{i}")
             continue

@@ -10,7 +10,7 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -34,6 +34,16 @@ class TextPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    url: str  # a data URL or a local file (molt_capture.media.load_image)
+    detail: str | None = None  # ignored: the model's processor decides the resolution
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Model):
     name: str
     arguments: str = "{}"
@@ -52,6 +62,12 @@ class Message(_Model):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's newer name for the same field
+
+
+class ImageMessage(Message):
+    """A message of a request to a multimodal model: content parts may be images too."""
+
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
 
 
 class FunctionDef(_Model):
@@ -87,7 +103,8 @@ class CompletionRequest(SamplingExtras):
     response_format: dict[str, Any] | None = None
 
 
-def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
+def parse_request(raw: bytes, images: bool = False) -> tuple[CompletionRequest, ChatRequest]:
+    """`images`: the server's model takes them (`image_url` parts); else they get a 400."""
     req = parse(CompletionRequest, raw)
     if req.n not in (None, 1):
         raise CaptureError(400, "n > 1 is not supported: the framework owns the group size", "n")
@@ -100,8 +117,9 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
     for i, t in enumerate(req.tools or []):
         tool_schema(t.function.parameters, f"tools.{i}.function.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+    model = ImageMessage if images else Message
     messages = [
-        _to_template(parse(Message, m, f"messages.{i}"), i) for i, m in enumerate(req.messages)
+        _to_template(parse(model, m, f"messages.{i}"), i) for i, m in enumerate(req.messages)
     ]
     check_tool_results(messages, [f"messages.{i}.tool_call_id" for i in range(len(messages))])
     max_tokens = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -118,8 +136,17 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, ChatRequest]:
     return req, chat
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def _text(content: str | list[TextPart | ImagePart] | None) -> str | list[dict[str, Any]]:
+    """Text parts joined; with an image among them, the parts in template form (the chat
+    template writes each image's token where its part is)."""
     if isinstance(content, list):
+        if any(isinstance(p, ImagePart) for p in content):
+            return [
+                {"type": "image_url", "image_url": {"url": p.image_url.url}}
+                if isinstance(p, ImagePart)
+                else {"type": "text", "text": p.text}
+                for p in content
+            ]
         return "".join(p.text for p in content)
     return content or ""
 

@@ -18,6 +18,7 @@ from typing import Any
 from transformers.utils.chat_parsing import ResponseParser
 
 from .errors import CaptureError
+from .media import ImageEncoder, ImagePrompt, MediaError, message_images
 
 # Response templates (transformers' `response_template` format), one per markup family. The
 # reasoning region is named `reasoning_content`, as the chat templates name it.
@@ -140,6 +141,8 @@ class ChatRenderer:
         self.response_template = template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.closing_ids = self._closing_ids()
+        # A multimodal model's processor (set by the capture server); None: text only.
+        self.images: ImageEncoder | None = None
 
     def render(
         self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool
@@ -186,6 +189,19 @@ class ChatRenderer:
         if backend is None:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_messages(self, text: str, messages: list[dict], where: str) -> ImagePrompt:
+        """`text` (the render of `messages`, or of new turns) -> ids, with the messages' images
+        through the processor (placeholders expanded). Text-only renderers encode as ever."""
+        if self.images is None:
+            return ImagePrompt(self.encode(text))
+        try:
+            sources = message_images(messages, where=where)
+            if not sources:
+                return ImagePrompt(self.encode(text))
+            return self.images.encode(text, sources, where)
+        except MediaError as e:
+            raise CaptureError(400, str(e), where) from e
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -44,6 +44,18 @@ class MessageItem(WireModel):
     content: str | list[TextPart]
 
 
+class ImagePart(WireModel):
+    type: Literal["input_image"]
+    image_url: str  # a data URL or a local file (molt_capture.media.load_image); no file ids
+    detail: str | None = None  # ignored: the model's processor decides the resolution
+
+
+class ImageMessageItem(MessageItem):
+    """A message item of a request to a multimodal model: its parts may be images too."""
+
+    content: str | list[TextPart | ImagePart]
+
+
 class FunctionCallItem(WireModel):
     type: Literal["function_call"]
     call_id: str
@@ -113,8 +125,9 @@ class Parsed:
     conversation: list[dict[str, Any]]  # the messages after the instructions, for follow-ups
 
 
-def parse_request(raw: bytes, responses: dict[str, list[dict]]) -> Parsed:
-    """`responses` is the session's earlier responses (id -> conversation)."""
+def parse_request(raw: bytes, responses: dict[str, list[dict]], images: bool = False) -> Parsed:
+    """`responses` is the session's earlier responses (id -> conversation). `images`: the
+    server's model takes them (`input_image` parts); else they get a 400."""
     req = parse(ResponsesRequest, raw)
     req.refuse_sampling_extras()
     for name in ("background", "conversation", "prompt"):
@@ -136,7 +149,7 @@ def parse_request(raw: bytes, responses: dict[str, list[dict]]) -> Parsed:
                 "previous_response_id",
             )
         history = responses[req.previous_response_id]
-    new, where = _to_template(req.input)
+    new, where = _to_template(req.input, images)
     if not new:
         raise CaptureError(400, "input must hold at least one item", "input")
     conversation = [*history, *new]
@@ -168,9 +181,23 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def _item(raw: Any, i: int) -> Item:
+def _content(content: str | list[TextPart | ImagePart]) -> str | list[dict[str, Any]]:
+    """Text joined; with an image among the parts, the parts in template form."""
+    if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+        return [
+            {"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, ImagePart)
+            else {"type": "text", "text": p.text}
+            for p in content
+        ]
+    return _text(content)
+
+
+def _item(raw: Any, i: int, images: bool = False) -> Item:
     kind = raw.get("type", "message") if isinstance(raw, dict) else None
     model = ITEMS.get(kind) if isinstance(kind, str) else None
+    if images and model is MessageItem:
+        model = ImageMessageItem
     if model is None:
         where = f"input.{i}"
         raise CaptureError(
@@ -179,7 +206,9 @@ def _item(raw: Any, i: int) -> Item:
     return parse(model, raw, f"input.{i}")
 
 
-def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _to_template(
+    items: str | list[dict[str, Any]], images: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Template messages, and the input field each came from."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], ["input"]
@@ -187,7 +216,7 @@ def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]
     where: list[str] = []
     turn: dict[str, Any] | None = None  # the assistant turn being assembled
     for i, raw in enumerate(items):
-        item = _item(raw, i)
+        item = _item(raw, i, images)
         if isinstance(item, ReasoningItem | FunctionCallItem) or (
             isinstance(item, MessageItem) and item.role == "assistant"
         ):
@@ -217,7 +246,7 @@ def _to_template(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]
             where.append(f"input.{i}.call_id")
         else:
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content)})
+            out.append({"role": role, "content": _content(item.content)})
             where.append(f"input.{i}")
     return out, where
 

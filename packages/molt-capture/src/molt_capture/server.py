@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from . import anthropic_wire, openai_wire, responses_wire
 from .errors import CaptureError
+from .media import ImageEncoder
 from .render import ChatRenderer
 from .session import Generator, Session, SessionConfig
 from .types import Segment
@@ -70,10 +71,14 @@ class CaptureServer:
         generator_timeout_s: float | None = 600.0,
         strict_temperature: bool = False,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        image_encoder: ImageEncoder | None = None,
     ):
         if not _is_loopback(host) and not api_key:
             raise ValueError(f"binding {host} (beyond loopback) requires an api_key")
         self.renderer = ChatRenderer(tokenizer, parser, chat_template_kwargs)
+        # A multimodal model's processor: the wires then take image parts (else a clear 400),
+        # rendered with the processor into the trace and recorded on the segment.
+        self.renderer.images = image_encoder
         self.generator = generator
         self.model_name = model_name
         self.host, self.port = host, port
@@ -266,7 +271,8 @@ class CaptureServer:
 
     async def _openai_turn(self, session: Session, raw: bytes):
         # Parsing (like rendering) runs on a worker thread: a large body must not hold the loop.
-        req, chat = await asyncio.to_thread(openai_wire.parse_request, raw)
+        images = self.renderer.images is not None
+        req, chat = await asyncio.to_thread(openai_wire.parse_request, raw, images)
         result = await self._run(session, chat, raw)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -274,7 +280,10 @@ class CaptureServer:
         return JSONResponse(openai_wire.completion(result, self.model_name))
 
     async def _responses_turn(self, session: Session, raw: bytes):
-        parsed = await asyncio.to_thread(responses_wire.parse_request, raw, session.responses)
+        images = self.renderer.images is not None
+        parsed = await asyncio.to_thread(
+            responses_wire.parse_request, raw, session.responses, images
+        )
         result = await self._run(session, parsed.chat, raw)
         resp = responses_wire.response(parsed, result, self.model_name)
         # What a follow-up naming this response continues from (instructions are not carried).
@@ -284,7 +293,8 @@ class CaptureServer:
         return JSONResponse(resp)
 
     async def _anthropic_turn(self, session: Session, raw: bytes):
-        req, chat = await asyncio.to_thread(anthropic_wire.parse_request, raw)
+        images = self.renderer.images is not None
+        req, chat = await asyncio.to_thread(anthropic_wire.parse_request, raw, images)
         result = await self._run(session, chat, raw)
         if req.stream:
             return _sse(anthropic_wire.stream(result, self.model_name))

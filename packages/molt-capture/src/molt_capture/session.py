@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CaptureError, ParamRejected
+from .media import ImageInput
 from .render import ChatRenderer, Reply
 from .types import Generation, SamplingParams, Segment
 
@@ -71,6 +72,8 @@ class _Plan:
     prompt_text: str  # a render ending as the engine's prompt does (for the reply parser)
     params: SamplingParams
     room: int  # tokens left in the context
+    context_images: list[ImageInput] = field(default_factory=list)  # offsets into context_ids
+    prompt_images: list[ImageInput] = field(default_factory=list)  # offsets into prompt_ids
 
 
 class Session:
@@ -124,7 +127,10 @@ class Session:
         self, plan: _Plan, req: ChatRequest, generate: Generator, timeout_s: float | None
     ) -> Generation:
         try:
-            gen = await asyncio.wait_for(generate(plan.prompt_ids, plan.params, self.id), timeout_s)
+            # Images only when there are some: text-only generators take no such argument.
+            extra = {"images": plan.prompt_images} if plan.prompt_images else {}
+            call = generate(plan.prompt_ids, plan.params, self.id, **extra)
+            gen = await asyncio.wait_for(call, timeout_s)
         except asyncio.TimeoutError as e:  # noqa: UP041 (differs on Python 3.10)
             raise CaptureError(504, f"generator timed out after {timeout_s} s") from e
         except ParamRejected as e:
@@ -158,18 +164,23 @@ class Session:
         same_sampling = cur is not None and (cur.temperature, cur.top_p) == (temperature, top_p)
         delta = self._delta(req, renderer) if same_sampling else None
         if cur is not None and delta is not None:
-            context_ids, prompt_text = renderer.encode(delta[0]), delta[1]
+            new = req.messages[len(self._history) :]
+            context = renderer.encode_messages(delta[0], new, "messages")
+            context_ids, prompt_text = context.token_ids, delta[1]
             prompt_ids, routing_start = cur.token_ids + context_ids, cur.routing_known
+            prompt_images = cur.images + [i.shifted(len(cur)) for i in context.images]
         else:
             prompt_text = renderer.render(req.messages, req.tools, add_generation_prompt=True)
-            context_ids = prompt_ids = renderer.encode(prompt_text)
-            routing_start = 0
+            context = renderer.encode_messages(prompt_text, req.messages, "messages")
+            context_ids = prompt_ids = context.token_ids
+            routing_start, prompt_images = 0, context.images
         room = cfg.max_len - len(prompt_ids)
         want = req.max_tokens or cfg.max_tokens or room
         params = SamplingParams(
             max(0, min(want, room)), temperature, top_p, list(req.stop), routing_start
         )
-        return _Plan(delta is not None, context_ids, prompt_ids, prompt_text, params, room)
+        return _Plan(delta is not None, context_ids, prompt_ids, prompt_text, params, room,
+                     context.images, prompt_images)  # fmt: skip
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:
         """For a request that extends the open segment's conversation: the new messages' text
@@ -190,7 +201,7 @@ class Session:
                 self.sealed.append(self.current)
             self.current = Segment(temperature=plan.params.temperature, top_p=plan.params.top_p)
         assert self.current is not None
-        self.current.append_context(plan.context_ids)
+        self.current.append_context(plan.context_ids, plan.context_images)
         return self.current
 
     def _commit_full(self, plan: _Plan) -> TurnResult:

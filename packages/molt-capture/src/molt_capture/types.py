@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .media import ImageInput
+
 PROMPT_VERSION = -1  # weight version recorded for tokens the policy did not sample
 
 # One token's routed experts: a row of expert ids per MoE layer.
@@ -111,12 +113,17 @@ class Segment:
     # whole: the engine reported none (score centering asks for them).
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # The images in the context, in order, each over its run of placeholder ids (multimodal
+    # models only; molt_capture.media): what the engine and the trainer both get with the ids.
+    images: list[ImageInput] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def append_context(self, ids: list[int]) -> None:
-        """Tokens the policy did not sample (prompt, template markup, tool results)."""
+    def append_context(self, ids: list[int], images: list[ImageInput] = ()) -> None:
+        """Tokens the policy did not sample (prompt, template markup, tool results), with the
+        images whose placeholders they hold (offsets relative to `ids`)."""
+        self.images += [image.shifted(len(self.token_ids)) for image in images]
         self.token_ids += ids
         self.trainable += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -167,12 +174,15 @@ class Segment:
         return sum(self.trainable)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["images"] = [image.to_dict() for image in self.images]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
         d = dict(d)
         d["turns"] = [TurnSpan(**t) for t in d.get("turns", [])]
+        d["images"] = [ImageInput.from_dict(i) for i in d.get("images", [])]
         return cls(**d)
 
 

@@ -11,10 +11,8 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import CaptureError
+from .media import IMAGES_REFUSED
 
-IMAGES_REFUSED = (
-    "image, audio and file input needs a multimodal model; this server serves a text-only model"
-)
 # Content part / block types that carry media, on any wire.
 MEDIA_TYPES = {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
 # Fields some client may send (vLLM extras through `extra_body` included) that change what is

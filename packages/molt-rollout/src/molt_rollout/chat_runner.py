@@ -17,6 +17,7 @@ from typing import Any
 
 from molt_capture import CaptureServer, Generator, Session
 from molt_capture.errors import ParamRejected
+from molt_capture.media import ImageEncoder, MediaError, openai_image_parts
 from molt_capture.types import Rollout, Segment
 
 from .agent import (
@@ -48,8 +49,12 @@ class ChatRunner:
     agent_class: type[ChatAgent] | None = None
 
     def __init__(self, generator: Generator, tokenizer, config: RolloutConfig | None = None,
-                 apply_chat_template: bool = True):  # fmt: skip
-        # `apply_chat_template`: always on for this form (the start-up checks refuse False).
+                 apply_chat_template: bool = True,
+                 image_encoder: ImageEncoder | None = None):  # fmt: skip
+        """`apply_chat_template`: always on for this form (the start-up checks refuse False).
+        `image_encoder`: a multimodal model's processor: the capture server then takes image
+        parts; None: text only (they get a 400)."""
+        self.image_encoder = image_encoder
         self.generator = generator
         self.tokenizer = tokenizer
         self.config = config or RolloutConfig()
@@ -74,12 +79,13 @@ class ChatRunner:
                 model_name=cfg.model_name,
                 generator_timeout_s=cfg.generator_timeout_s,
                 max_request_bytes=cfg.max_request_bytes,
+                image_encoder=self.image_encoder,
             ).start()
         return self._server
 
-    async def _generate(self, ids: list[int], params, session_id: str):
+    async def _generate(self, ids: list[int], params, session_id: str, **images):
         try:
-            return await self.generator(ids, params, session_id)
+            return await self.generator(ids, params, session_id, **images)
         except ParamRejected:
             raise  # the agent's request, not the engine: the agent gets a 400
         except Exception:
@@ -111,6 +117,11 @@ class ChatRunner:
         closed = False
         try:
             messages = row_messages(row)
+            if self.image_encoder is not None:  # the row's images as the SDKs send them
+                try:
+                    messages = openai_image_parts(messages, row.get("images"))
+                except MediaError as e:
+                    raise RolloutDropped("bad_row", str(e)) from e
             session = self._open(row)
             ctx = self._context(row, messages, session, rollout_id, group_id)
             result = await within_deadline(self._run_agent(ctx, session), self.config.deadline_s)

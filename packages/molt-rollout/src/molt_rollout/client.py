@@ -30,6 +30,7 @@ import aiohttp
 import numpy as np
 
 from molt_capture.errors import ParamRejected
+from molt_capture.media import ImageInput
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.router import SESSION_HEADER
 
@@ -161,6 +162,47 @@ def parse_routed_experts(
     return rows
 
 
+def check_placeholders(
+    gen: Generation, token_ids: list[int], images: list[ImageInput]
+) -> Generation:
+    """Refuse a reply that sampled an image placeholder token: vLLM embeds it as text, but the
+    trainer's VLM forward (transformers' Idefics3) takes every such id for an image slot and
+    has no image for it. Only a near-random model samples one (the tiny VLM: about 0.3% per
+    token); the rollout drops as `engine_error`."""
+    placeholders = {token_ids[image.offset] for image in images}
+    if placeholders & set(gen.token_ids):
+        raise GenerationError(f"the engine sampled an image placeholder token {placeholders}")
+    return gen
+
+
+def image_features(images: list[ImageInput]) -> dict:
+    """The `features` of vLLM's token route for processed images: per image its tensors as
+    vLLM's serialized MultiModalKwargsItem (laid out as vLLM's Idefics3 processor lays them:
+    flat over the image's tiles, the tile count kept on CPU), its content hash (the prefix
+    cache's key: two images never share cached blocks) and its placeholder run. The run holds
+    the image tokens alone: the route takes no embedding mask, so each position in it is one."""
+    import torch
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem
+
+    items = []
+    for image in images:
+        tensors = {k: torch.from_numpy(v) for k, v in image.tensors.items()}
+        tiles = torch.tensor([len(tensors["pixel_values"])])
+        flat = MultiModalFieldConfig.flat_from_sizes("image", tiles)
+        elems = {k: flat.build_elems(k, v)[0] for k, v in tensors.items()}
+        elems["num_patches"] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)\
+            .build_elems("num_patches", tiles)[0]  # fmt: skip
+        items.append(encode_mm_kwargs_item(MultiModalKwargsItem(elems)))
+    return {
+        "mm_hashes": {"image": [image.mm_hash for image in images]},
+        "kwargs_data": {"image": items},
+        "mm_placeholders": {
+            "image": [{"offset": image.offset, "length": image.length} for image in images]
+        },
+    }
+
+
 class TokenClient:
     """An async callable `(token_ids, SamplingParams, session_id) -> Generation`."""
 
@@ -182,8 +224,11 @@ class TokenClient:
         self.http: aiohttp.ClientSession | None = None  # made in the caller's event loop
 
     async def __call__(
-        self, token_ids: list[int], params: SamplingParams, session_id: str
-    ) -> Generation:
+        self, token_ids: list[int], params: SamplingParams, session_id: str,
+        images: list[ImageInput] = (),
+    ) -> Generation:  # fmt: skip
+        """`images`: the processed images whose placeholder runs `token_ids` hold; they go to
+        the engine as `features`, so it runs no processor and keeps the ids as given."""
         headers = {SESSION_HEADER: session_id}
         body = {
             "model": self.model,
@@ -199,8 +244,12 @@ class TokenClient:
                 "routed_experts_prompt_start": params.routing_start,
             },
         }
+        if images:
+            body["features"] = image_features(images)
         if self.adapter is not None:
-            return await self._from_adapter(token_ids, params, headers, body)
+            return check_placeholders(
+                await self._from_adapter(token_ids, params, headers, body), token_ids, images
+            )
         for _ in range(MAX_VERSION_RACES + 1):
             version = await self._version(headers)
             body["cache_salt"] = f"molt-v{version}"
@@ -209,13 +258,13 @@ class TokenClient:
                 reply, len(token_ids), params.routing_start, self.top_logprobs
             )
             if not generation.weight_versions or generation.weight_versions[0] == version:
-                return generation
+                return check_placeholders(generation, token_ids, images)
             self.version_races += 1
         # Refits keep landing between the version read and the prefill (a busy engine): keep
         # the last answer rather than drop the rollout. Its tokens carry the versions that
         # produced them; only its prompt's cache salt was a version behind, as for a request
         # kept in flight across a refit.
-        return generation
+        return check_placeholders(generation, token_ids, images)
 
     async def _from_adapter(
         self, token_ids: list[int], params: SamplingParams, headers: dict, body: dict

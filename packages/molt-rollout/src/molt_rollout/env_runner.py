@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from molt_capture import CaptureError, ChatRenderer, Generator, Reply
+from molt_capture.media import IMAGES_REFUSED, ImageEncoder, ImagePrompt, MediaError, message_images
 from molt_capture.types import Generation, Rollout, SamplingParams, Segment
 
 from .agent import (
@@ -45,9 +46,13 @@ class EnvRunner:
         tokenizer,
         config: RolloutConfig | None = None,
         apply_chat_template: bool = True,
+        image_encoder: ImageEncoder | None = None,
     ):
+        """`image_encoder`: a multimodal model's processor (molt_capture.media); None: text only,
+        and a prompt or observation holding an image is dropped."""
         self.generator = generator
         self.tokenizer = tokenizer
+        self.image_encoder = image_encoder
         self.config = cfg = config or RolloutConfig()
         # The same renderer the capture server uses, so both forms present identical prompts.
         self.renderer = (
@@ -89,13 +94,13 @@ class EnvRunner:
         cfg = self.config
         messages = row_messages(row)
         tools = canonical_tools(row.get("tools"))
-        prompt_ids = self._render_prompt(row, messages, tools)
-        if len(prompt_ids) >= cfg.max_len:
+        prompt = self._render_prompt(row, messages, tools)
+        if len(prompt.token_ids) >= cfg.max_len:
             raise RolloutDropped(
-                "prompt_too_long", f"{len(prompt_ids)} prompt tokens, max_len {cfg.max_len}"
+                "prompt_too_long", f"{len(prompt.token_ids)} prompt tokens, max_len {cfg.max_len}"
             )
         seg = Segment(temperature=cfg.temperature, top_p=cfg.top_p)
-        seg.append_context(prompt_ids)
+        seg.append_context(prompt.token_ids, prompt.images)
         segments = [seg]
         state = EnvState(row=row, messages=messages, tools=tools, label=row.get("label"),
                          rollout_id=rollout_id, group_id=group_id)  # fmt: skip
@@ -121,12 +126,12 @@ class EnvRunner:
                 # One sampling temperature per segment (the trainer recomputes log-probs with
                 # it): continue in a new segment whose context is the exact trace so far.
                 seg = Segment(temperature=temperature, top_p=cfg.top_p)
-                seg.append_context(segments[-1].token_ids)
+                seg.append_context(segments[-1].token_ids, segments[-1].images)
                 segments.append(seg)
             want = last.max_tokens or cfg.max_tokens or room
             params = SamplingParams(min(want, room), temperature, cfg.top_p,
                                     list(last.stop or []), seg.routing_known)  # fmt: skip
-            gen = await self._generate(seg.token_ids, params, rollout_id, timings)
+            gen = await self._generate(seg, params, rollout_id, timings)
             prefix_len = len(seg)
             seg.append_generation(gen, params.max_tokens)
             generated += len(gen.token_ids)
@@ -142,11 +147,12 @@ class EnvRunner:
             if turn + 1 == cfg.max_turns:
                 truncated = True  # out of turns, the Env wanted more
                 break
-            obs_ids = self._observation_ids(gen, last.observation, tools)
+            obs = self._observation(gen, last.observation, tools)
+            obs_ids = obs.token_ids
             if len(seg) + len(obs_ids) >= cfg.max_len:
                 truncated = True  # no room for the observation and a reply after it
                 break
-            seg.append_context(obs_ids)
+            seg.append_context(obs_ids, obs.images)
             if isinstance(last.observation, list):
                 state.messages += last.observation
             state.transcript += self.tokenizer.decode(obs_ids)
@@ -171,28 +177,42 @@ class EnvRunner:
 
     def _render_prompt(
         self, row: dict[str, Any], messages: list[dict], tools: list[dict] | None
-    ) -> list[int]:
+    ) -> ImagePrompt:
         if self.renderer is None:  # a base-model prompt: the text as the dataset wrote it
             if not isinstance(row["prompt"], str):
                 raise RolloutDropped(
                     "bad_row", "apply_chat_template is off but the prompt is not a string"
                 )
-            return self.tokenizer.encode(row["prompt"])
+            return ImagePrompt(self.tokenizer.encode(row["prompt"]))
         try:
-            return self.renderer.encode(self.renderer.render(messages, tools, True))
+            text = self.renderer.render(messages, tools, True)
+            images = message_images(messages, row.get("images"))
+            return self._encode(text, images, "prompt")
         except CaptureError as e:
             raise RolloutDropped("bad_row", e.message) from e
+        except MediaError as e:
+            raise RolloutDropped("bad_row", str(e)) from e
+
+    def _encode(self, text: str, images: list, where: str) -> ImagePrompt:
+        """Rendered text -> ids; with images, through the processor (placeholders expanded)."""
+        if not images:  # the text path: as it was, no processor
+            return ImagePrompt(self.renderer.encode(text))
+        if self.image_encoder is None:
+            raise MediaError(f"{where}: {IMAGES_REFUSED}")
+        return self.image_encoder.encode(text, images, where)
 
     async def _new_env(self) -> Env:
         return self.make_env()  # a constructor that raises is the agent's failure
 
     async def _generate(
-        self, ids: list[int], params: SamplingParams, session_id: str, timings: dict
+        self, seg: Segment, params: SamplingParams, session_id: str, timings: dict
     ) -> Generation:
         t = time.monotonic()
+        # Images only when there are some: text-only generators take no such argument.
+        extra = {"images": list(seg.images)} if seg.images else {}
         try:
             # The rollout id is the session id: the router keeps a rollout on one engine.
-            gen = await self.generator(list(ids), params, session_id)
+            gen = await self.generator(list(seg.token_ids), params, session_id, **extra)
         except Exception as e:
             raise RolloutDropped("engine_error", describe(e)) from e
         finally:
@@ -236,14 +256,15 @@ class EnvRunner:
             state.messages.append({"role": "assistant", "content": state.text})
         state.transcript += self.tokenizer.decode(gen.token_ids)
 
-    def _observation_ids(
+    def _observation(
         self, gen: Generation, observation: str | list[dict], tools: list[dict] | None
-    ) -> list[int]:
+    ) -> ImagePrompt:
         """A string is appended verbatim. Messages are rendered with the chat template as the
         turns that follow a reply: the end-of-turn tokens the engine stopped before, the new
-        turns, and the generation prompt for the next reply."""
+        turns, and the generation prompt for the next reply; their image parts go through the
+        processor with that text."""
         if isinstance(observation, str):
-            return self.tokenizer.encode(observation, add_special_tokens=False)
+            return ImagePrompt(self.tokenizer.encode(observation, add_special_tokens=False))
         if self.renderer is None:
             raise RolloutDropped(
                 "bad_result", "observation messages need apply_chat_template; return a string"
@@ -258,4 +279,8 @@ class EnvRunner:
                 "bad_result", "the chat template re-renders earlier turns after the observation"
             )
         closing = self.renderer.missing_closing(gen.token_ids)
-        return closing + self.renderer.encode(after[len(before) :])
+        try:
+            obs = self._encode(after[len(before) :], message_images(observation), "observation")
+        except MediaError as e:
+            raise RolloutDropped("bad_result", str(e)) from e
+        return ImagePrompt(closing + obs.token_ids, [i.shifted(len(closing)) for i in obs.images])

@@ -33,11 +33,16 @@ class RunnerActor:
         (TokenClient), for both agent forms: the capture server generates through this client."""
         from transformers import AutoTokenizer
 
+        from molt_capture.media import load_image_encoder
+
         runner_class = load_agent(agent)
         tokenizer = AutoTokenizer.from_pretrained(model)
         client = TokenClient(router_url, model, request_timeout_s, max_retries,
                              top_logprobs=rollout.top_logprobs, adapter=adapter)  # fmt: skip
-        self.runner = runner_class(client, tokenizer, rollout, apply_chat_template)
+        # A multimodal model's processor, passed only then: text-only runners are unchanged.
+        encoder = load_image_encoder(model)
+        extra = {} if encoder is None else {"image_encoder": encoder}
+        self.runner = runner_class(client, tokenizer, rollout, apply_chat_template, **extra)
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
         self.eval_runner = (
             self.runner if eval_rollout is None else self.runner.with_sampling(eval_rollout)

@@ -126,6 +126,7 @@ def make_experience(
             routed_experts=_routing(s) if routing_replay else None,
             head_ids=_heads(s)[0] if algo.score_centering else None,
             head_logprobs=_heads(s)[1] if algo.score_centering else None,
+            images=s.images,
         )
         for _, s in segments
     ]

@@ -66,6 +66,21 @@ def _init_adam_state(optimizer: torch.optim.AdamW) -> None:
             }
 
 
+def is_multimodal(path: str) -> bool:
+    """Whether the checkpoint is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def policy_class(multimodal: bool):
+    """transformers' auto class of a policy: a VLM's conditional-generation class (Idefics3's
+    is no AutoModelForCausalLM) takes the pixel values with the ids and has the LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+
+
 def _or_zeros(values: Tensor | None, like: Tensor) -> Tensor:
     """A field absent from a batch: only an empty (padding) microbatch, where nothing is
     trained, lacks the fields the driver checked for."""
@@ -217,8 +232,9 @@ class ModelWorker(WeightsOut):
         The critic is the same backbone with a one-output token head: its value at token t
         reads the hidden state of token t - 1, like a log-prob."""
         critic = self.role == "critic"
+        multimodal = is_multimodal(path)
         if self.on_gpu and not critic:
-            from nemo_automodel import NeMoAutoModelForCausalLM
+            from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
             from nemo_automodel.components.utils.model_utils import FreezeConfig, ModuleSelector
 
             extra = {}
@@ -230,7 +246,8 @@ class ModelWorker(WeightsOut):
             if self.lora is not None:  # adapters added and the base frozen before sharding
                 extra["peft_config"] = peft_config(self.lora)
             # No Liger kernels: the trainer computes log-probs itself from the hidden states.
-            return NeMoAutoModelForCausalLM.from_pretrained(
+            factory = NeMoAutoModelForImageTextToText if multimodal else NeMoAutoModelForCausalLM
+            return factory.from_pretrained(
                 path,
                 distributed_setup=self.setup_,
                 dtype=torch.float32,
@@ -238,7 +255,7 @@ class ModelWorker(WeightsOut):
                 **extra,
             )
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import AutoModelForTokenClassification
 
         if critic:
             model = AutoModelForTokenClassification.from_pretrained(
@@ -250,7 +267,7 @@ class ModelWorker(WeightsOut):
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = policy_class(multimodal).from_pretrained(
                 path, dtype=torch.float32, attn_implementation="sdpa"
             )
         if self.lora is not None:  # before sharding, as AutoModel's factory does on GPU

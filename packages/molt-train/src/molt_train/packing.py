@@ -7,11 +7,13 @@ log-prob shift are explained in docs/training.md ("Packing").
 """
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from molt_capture.media import ImageInput
 from molt_train.routing_replay import microbatch_routing
 
 # Sample fields carried per token into the loss, besides loss_mask.
@@ -44,6 +46,9 @@ class Sample:
     # --algo.score_centering (molt_algos.centering)
     head_ids: list[list[int]] | None = None
     head_logprobs: list[list[float]] | None = None
+    # The processed images over the sequence's placeholder runs (a multimodal policy): the
+    # engine's inputs, fed to the forward with the same ids.
+    images: list[ImageInput] = dataclass_field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -163,6 +168,8 @@ class PackedBatch:
     cu_seqlens: Tensor | None = None
     head_ids: Tensor | None = None  # [S, L, K] the sampler's candidates (0-padded)
     head_logprobs: Tensor | None = None  # [S, L, K] their log-probs (-inf pads)
+    # The images' processor tensors for the forward (`pixel_values`, ...), empty for text
+    images: dict[str, Tensor] = dataclass_field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:
@@ -243,7 +250,28 @@ def pack(
         cu_seqlens=cu_seqlens,
         head_ids=None if head_ids is None else head_ids.to(device),
         head_logprobs=None if head_logprobs is None else head_logprobs.to(device),
+        images={k: v.to(device) for k, v in image_tensors(samples).items()},
     )
+
+
+def image_tensors(samples: list[Sample]) -> dict[str, Tensor]:
+    """The samples' images as the forward's keyword arguments, in the order their placeholder
+    runs appear in the row(s): the model fills its image tokens in that order, over a packed
+    row and over padded rows alike. Each tensor is flat over tiles ([tiles, ...]) per image;
+    the model takes [1, images, ...] (Idefics3: an all-zero image is padding, none is here)."""
+    images = [image for s in samples for image in s.images]
+    if not images:
+        return {}
+    for s in samples:  # the model fills every placeholder id: each must be an image's
+        placeholders = {s.token_ids[image.offset] for image in s.images}
+        count = sum(1 for t in s.token_ids if t in placeholders)
+        if count != sum(image.length for image in s.images):
+            raise ValueError(f"{count} image placeholder tokens for images of "
+                             f"{sum(image.length for image in s.images)} (one was sampled?)")  # fmt: skip
+    return {
+        name: torch.from_numpy(np.concatenate([i.tensors[name] for i in images]))[None]
+        for name in images[0].tensors
+    }
 
 
 def _heads(samples: list[Sample], width: int) -> tuple[Tensor | None, Tensor | None]:

@@ -37,6 +37,7 @@ def packed_token_stats(
     entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids;
     with `head_ids` [S, L, K] (from_hidden only), the log-probs of those candidates too."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    inputs.update(batch.images)  # a multimodal policy's pixel values; none for text
     if model.config._attn_implementation == DOCUMENT_ATTENTION and batch.cu_seqlens is not None:
         inputs.update(document_kwargs(batch.cu_seqlens, batch.lengths))
     targets = batch.input_ids[:, 1:]
