@@ -30,6 +30,7 @@ import numpy as np
 
 from molt_capture.errors import ParamRejected
 from molt_capture.types import Generation, SamplingParams
+from molt_rollout.network import Network
 from molt_rollout.router import SESSION_HEADER
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -165,17 +166,19 @@ class TokenClient:
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
                  backoff_s: float = 0.5, top_logprobs: int = 0,
-                 adapter: str | None = None) -> None:  # fmt: skip
+                 adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
         """`top_logprobs` > 0: every reply carries each token's top-k candidates. `adapter`:
         the engines serve version v as the LoRA adapter `adapter_name(adapter, v)`, which each
-        request names (adapter refit); None: the engines' own weights, named `model`."""
+        request names (adapter refit); None: the engines' own weights, named `model`. `token`:
+        the run's token, sent on every request (engines on other nodes check it)."""
         self.top_logprobs, self.adapter = top_logprobs, adapter
         self.url = base_url.rstrip("/") + GENERATE_PATH
         self.version_url = base_url.rstrip("/") + "/weight_info"
         self.version_races = 0  # requests re-sent because a refit landed mid-request
         self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                      limits=httpx.Limits(max_connections=None))  # fmt: skip
+                                      limits=httpx.Limits(max_connections=None),
+                                      headers=Network(token=token).headers())  # fmt: skip
 
     async def __call__(
         self, token_ids: list[int], params: SamplingParams, session_id: str
