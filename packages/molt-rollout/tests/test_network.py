@@ -112,3 +112,14 @@ def test_an_unreachable_server_names_both_ends_and_the_port(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen()
         check_reachable(f"http://127.0.0.1:{server.getsockname()[1]}", "x")  # no error
+
+
+def test_refit_and_router_name_the_engine_they_cannot_reach(closed_port_url, tmp_path):
+    from molt_rollout.config import RefitConfig, RouterConfig
+    from molt_rollout.refit import Refitter
+    from molt_rollout.router import Router
+
+    with pytest.raises(UnreachableError, match="refit .* dialling engine 0: this node"):
+        Refitter([closed_port_url], 1, RefitConfig(), on_gpu=False)
+    with pytest.raises(UnreachableError, match="the router .* dialling engine 0: this node"):
+        Router(RouterConfig(), [closed_port_url], str(tmp_path)).start()
