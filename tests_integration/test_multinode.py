@@ -3,7 +3,8 @@
 The engine is pinned to the second node, the runners (they need CPUs) and the policy rank to
 the head; a short quickstart run completes, its refits cross nodes, the engine listens on its
 own node's address and refuses calls without the run's token, and nothing is left afterwards.
-Only loopback-range addresses: Ray may record the head under the host's own address."""
+Ray records a head started on 127.0.0.1 under the host's own address (it resolves 127.0.0.1 to
+it), so the head's servers (router, refit rendezvous) listen there; the engine on 127.0.0.2."""
 
 import contextlib
 import json
