@@ -207,6 +207,14 @@ def test_request_carries_session_salt_and_sampling_params(engine):
     assert sp["skip_special_tokens"] is False
 
 
+def test_every_request_carries_the_runs_token(engine):
+    generate(make_client(engine.url, token="run-secret"))
+    assert [c.headers.get("authorization") for c in engine.calls] == ["Bearer run-secret"] * 2
+    engine.reset()
+    generate(make_client(engine.url))  # one node: no token, no header
+    assert all("authorization" not in c.headers for c in engine.calls)
+
+
 def test_initial_version_salts_as_zero(engine):
     gen = generate(make_client(engine.url))
     assert engine.generate_calls()[0].body["cache_salt"] == "molt-v0"

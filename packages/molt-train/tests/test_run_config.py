@@ -82,6 +82,10 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
          ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
         (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
+        (["--vllm.ray_resources", "engine_node", "0"], ["--vllm.ray_resources"]),
+        (["--actor.ray_resources", "trainer_node", "-1"], ["--actor.ray_resources"]),
+        (["--train.colocate", "--vllm.ray_resources", "engine_node", "1"],
+         ["--train.colocate", "--vllm.ray_resources"]),
         (["--actor.lora.rank", "-1"], ["--actor.lora.rank"]),
         (["--actor.lora.rank", "8", "--actor.lora.target_modules", "*.q_proj", "lm_head"],
          ["--actor.lora.target_modules", "lm_head"]),
@@ -279,11 +283,13 @@ def test_config_file_then_flags(tmp_path):
     toml.write_text(
         "[actor.optim]\nlr = 3e-4\n[train]\nforce_on_policy = true\nmax_staleness = 3\n"
         "[rollout]\nchat_template_kwargs = { enable_thinking = false }\n"
+        "[vllm]\nray_resources = { engine_node = 1 }\n"
     )
     cfg = parse(["--config", str(toml), "--train.max_staleness", "1"])
     assert cfg.actor.optim.lr == 3e-4 and cfg.train.force_on_policy is True
     assert cfg.train.max_staleness == 1  # the command line wins
     assert cfg.rollout.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.vllm.ray_resources == {"engine_node": 1.0}  # a table as a setting's value
     yaml = tmp_path / "run.yaml"
     yaml.write_text("algo:\n  advantage:\n    estimator: rloo\n")
     assert parse(["--config", str(yaml)]).algo.advantage.estimator == "rloo"

@@ -104,8 +104,11 @@ class AdapterRefitter:
     """Loads each version's adapter into every engine, sets the version, unloads the ones
     that left the window. The trainer's rank 0 owns one, in place of a `Refitter`."""
 
-    def __init__(self, engine_urls: list[str], cfg: RefitConfig, serving: AdapterServing) -> None:
-        self.cfg, self.serving = cfg, serving
+    def __init__(self, engine_urls: list[str], cfg: RefitConfig, serving: AdapterServing,
+                 token: str | None = None) -> None:  # fmt: skip
+        """`token`: the run's token, for engines on other nodes (molt_rollout.network). The
+        adapter directories are read by the engines: across nodes, a filesystem they share."""
+        self.cfg, self.serving, self.token = cfg, serving, token
         self.kept: list[tuple[int, str]] = []  # (version, directory) in the window, oldest first
         self.retired: Path | None = None  # what a retired version's files become (docstring)
         self.engines: list[EngineControl] = []
@@ -117,7 +120,7 @@ class AdapterRefitter:
         """The engines to serve (again, after a restart: a new server has a new URL and no
         adapter; the next `refit` loads the current one there)."""
         known = {engine.url: engine for engine in self.engines}
-        self.engines = [known.get(url) or EngineControl(url, self.cfg.timeout_s)
+        self.engines = [known.get(url) or EngineControl(url, self.cfg.timeout_s, self.token)
                         for url in engine_urls]  # fmt: skip
         self.loaded = {url: self.loaded.get(url, set()) for url in engine_urls}
 

@@ -32,6 +32,7 @@ import numpy as np
 from molt_capture.errors import ParamRejected
 from molt_capture.media import ImageInput
 from molt_capture.types import Generation, SamplingParams
+from molt_rollout.network import Network
 from molt_rollout.router import SESSION_HEADER
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -208,10 +209,11 @@ class TokenClient:
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 300.0, max_retries: int = 3,
                  backoff_s: float = 0.5, top_logprobs: int = 0,
-                 adapter: str | None = None) -> None:  # fmt: skip
+                 adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
         """`top_logprobs` > 0: every reply carries each token's top-k candidates. `adapter`:
         the engines serve version v as the LoRA adapter `adapter_name(adapter, v)`, which each
-        request names (adapter refit); None: the engines' own weights, named `model`."""
+        request names (adapter refit); None: the engines' own weights, named `model`. `token`:
+        the run's token, sent on every request (engines on other nodes check it)."""
         self.top_logprobs, self.adapter = top_logprobs, adapter
         self.url = base_url.rstrip("/") + GENERATE_PATH
         self.version_url = base_url.rstrip("/") + "/weight_info"
@@ -221,6 +223,7 @@ class TokenClient:
         # scans every connection per request (14 ms of CPU a rollout against 0.7 ms here;
         # docs/benchmarks.md, issue 13). No limit: one connection per rollout in flight.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=timeout_s)
+        self.auth = Network(token=token).headers()  # the run's token on every request
         self.http: aiohttp.ClientSession | None = None  # made in the caller's event loop
 
     async def __call__(
@@ -292,7 +295,7 @@ class TokenClient:
         self, method: str, url: str, headers: dict, body: dict | None = None
     ) -> dict:
         if self.http is None:
-            self.http = aiohttp.ClientSession(timeout=self.timeout,
+            self.http = aiohttp.ClientSession(timeout=self.timeout, headers=self.auth,
                                               connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
         for attempt in range(self.max_retries + 1):
             try:

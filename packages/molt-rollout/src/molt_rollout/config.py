@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from molt_capture.server import MAX_REQUEST_BYTES
+from molt_rollout.network import LOOPBACK
 from molt_rollout.vllm_compat import native_weight_versions, version_server_args, vllm_version
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class VLLMConfig:
     max_retries: int = 3  # transient 5xx / connection errors, per call
     restart_on_failure: bool = True  # a dead engine is restarted and refit; False: the run fails
     max_restarts: int = 3  # engine restarts per run (all engines), with restart_on_failure
+    # Custom Ray resources each engine actor asks for, e.g. {"engine_node": 1}: engines go to
+    # the nodes started with them (`ray start --resources`); {}: wherever Ray places them.
+    ray_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,15 +185,19 @@ def _validate_engines(vllm: VLLMConfig) -> None:
             raise ValueError(f"--vllm.{name} must be > 0")
     if vllm.gpu_memory_utilization is not None and not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
+    if any(amount <= 0 for amount in vllm.ray_resources.values()):
+        raise ValueError(f"--vllm.ray_resources amounts must be > 0, got {vllm.ray_resources}")
 
 
 def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
-                adapters: AdapterServing | None = None) -> list[str]:  # fmt: skip
+                adapters: AdapterServing | None = None, host: str = LOOPBACK,
+                token_check: bool = False) -> list[str]:  # fmt: skip
     """The vLLM OpenAI server's command line for one engine (`adapters`: with vLLM's LoRA
-    serving, for the adapter refit)."""
+    serving, for the adapter refit; `token_check`: every path but /health needs the run's
+    token, molt_rollout.engine_auth)."""
     args = [
         "--model", model,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         *version_server_args(),  # the token-in/token-out endpoint, weight versions
         "--logprobs-mode", "processed_logprobs",  # post-temperature, as the trainer recomputes
@@ -217,4 +225,6 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
         args.append("--enable-return-routed-experts")
     if adapters is not None:
         args += adapters.server_args()
+    if token_check:
+        args += ["--middleware", "molt_rollout.engine_auth.RequireToken"]
     return args + list(vllm.extra_args)

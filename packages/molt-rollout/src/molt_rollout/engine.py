@@ -9,7 +9,6 @@ engine and carries its last log lines.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import ray
 
 from molt_rollout import lifeline
 from molt_rollout.config import VLLMConfig, server_args
+from molt_rollout.engine_auth import TOKEN_ENV
+from molt_rollout.network import SINGLE_NODE, Network, free_port
 
 if TYPE_CHECKING:
     from molt_rollout.adapters import AdapterServing
@@ -31,12 +32,6 @@ LOG_TAIL_LINES = 40
 
 class EngineError(RuntimeError):
     """An engine failed to start, died, or stopped answering; the message has its log tail."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -50,9 +45,12 @@ class EngineServer:
     """One vLLM server process (plain Python: the actor below wraps it)."""
 
     def __init__(self, index: int, cfg: VLLMConfig, model: str, transfer_backend: str,
-                 log_dir: str, on_gpu: bool, adapters: AdapterServing | None = None) -> None:  # fmt: skip
-        """`adapters`: the engine serves the policy's LoRA adapters (adapter refit)."""
+                 log_dir: str, on_gpu: bool, adapters: AdapterServing | None = None,
+                 network: Network = SINGLE_NODE) -> None:  # fmt: skip
+        """`adapters`: the engine serves the policy's LoRA adapters (adapter refit). `network`:
+        where it listens (this node's address across nodes, with the run's token)."""
         self.index, self.cfg, self.model, self.adapters = index, cfg, model, adapters
+        self.network = network
         self.transfer_backend, self.on_gpu = transfer_backend, on_gpu
         self.log_path = Path(log_dir) / f"engine_{index}.log"
         self.process: subprocess.Popen | None = None
@@ -60,9 +58,12 @@ class EngineServer:
 
     def start(self) -> str:
         """Spawn the server and wait until /health answers; returns its base URL."""
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        host = self.network.host()
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
+        if self.network.token:  # in the environment: a command line is readable by anyone
+            env[TOKEN_ENV] = self.network.token
         if self.transfer_backend == "ipc":  # CUDA-IPC handles arrive pickled over HTTP
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if not self.on_gpu:
@@ -75,7 +76,8 @@ class EngineServer:
         if self.adapters is not None:
             env.update(self.adapters.server_env())
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        command += server_args(self.cfg, self.model, port, self.transfer_backend, self.adapters)
+        command += server_args(self.cfg, self.model, port, self.transfer_backend, self.adapters,
+                               host, token_check=bool(self.network.token))  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Appended to: a restarted engine's log keeps the lines of the death that caused it.
         with self.log_path.open("a") as log:
@@ -169,15 +171,16 @@ class EngineGroup:
 
     `placement`: a Ray placement group of one-GPU bundles shared with the trainer
     (--train.colocate); engine i then takes half of bundle i's GPU, whose other half the
-    trainer's rank i takes. None: each engine holds its own GPUs."""
+    trainer's rank i takes. None: each engine holds its own GPUs (and `--vllm.ray_resources`)."""
 
     def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
-                 on_gpu: bool, placement=None, adapters: AdapterServing | None = None) -> None:  # fmt: skip
+                 on_gpu: bool, placement=None, adapters: AdapterServing | None = None,
+                 network: Network = SINGLE_NODE) -> None:  # fmt: skip
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = cfg.tensor_parallel_size * cfg.data_parallel_size if on_gpu else 0
         self.cfg = cfg
-        options = [{"num_gpus": gpus}] * cfg.num_engines
+        options = [{"num_gpus": gpus, "resources": dict(cfg.ray_resources)}] * cfg.num_engines
         if placement is not None:
             options = [
                 {"num_gpus": COLOCATED_GPU_SHARE, "scheduling_strategy":
@@ -186,7 +189,7 @@ class EngineGroup:
             ]  # fmt: skip
         self.actors = [
             EngineActor.options(**options[i]).remote(
-                i, cfg, model, transfer_backend, log_dir, on_gpu, adapters
+                i, cfg, model, transfer_backend, log_dir, on_gpu, adapters, network
             )
             for i in range(cfg.num_engines)
         ]

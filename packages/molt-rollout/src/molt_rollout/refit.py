@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from molt_rollout.buckets import BucketMeta, iter_buckets, pack
 from molt_rollout.config import RefitConfig
-from molt_rollout.engine import free_port
+from molt_rollout.network import SINGLE_NODE, Network, check_reachable, free_port
 from molt_rollout.vllm_compat import nccl_packed_fields
 
 
@@ -44,9 +44,10 @@ class RefitError(RuntimeError):
 class EngineControl:
     """One engine's RL control endpoints (mounted by VLLM_SERVER_DEV_MODE=1)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, token: str | None = None) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=timeout_s)
+        self.http = httpx.Client(base_url=url, timeout=timeout_s,
+                                 headers=Network(token=token).headers())  # fmt: skip
 
     def post(self, path: str, json: dict | None = None, **params) -> dict:
         try:
@@ -73,20 +74,22 @@ class EngineControl:
 
 
 class GlooTransport:
-    """Trainer side of Molt's CPU backend: rank 0 of a gloo group with every engine worker."""
+    """Trainer side of Molt's CPU backend: rank 0 of a gloo group with every engine worker,
+    whose TCPStore rendezvous it hosts at `address` (its own node's)."""
 
     backend = "molt_gloo"
 
-    def __init__(self, world_size: int, timeout_s: float) -> None:
+    def __init__(self, world_size: int, timeout_s: float, address: str) -> None:
         self.world_size, self.timeout = world_size, timedelta(seconds=timeout_s)
-        self.port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, world_size, is_master=True,
+        self.address, self.port = address, free_port(address)
+        self.store = dist.TCPStore(address, self.port, world_size, is_master=True,
                                    timeout=self.timeout, wait_for_workers=False)  # fmt: skip
         self.group: dist.ProcessGroup | None = None
 
     def worker_init_info(self, rank_offset: int) -> dict:
-        return {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": rank_offset,
-                "world_size": self.world_size, "timeout_s": self.timeout.total_seconds()}  # fmt: skip
+        return {"master_address": self.address, "master_port": self.port,
+                "rank_offset": rank_offset, "world_size": self.world_size,
+                "timeout_s": self.timeout.total_seconds()}  # fmt: skip
 
     def connect(self) -> None:
         self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
@@ -109,7 +112,7 @@ class NcclTransport:
 
     def __init__(self, world_size: int, timeout_s: float, bucket_bytes: int, address: str) -> None:
         self.world_size, self.bucket_bytes, self.address = world_size, bucket_bytes, address
-        self.port = free_port()
+        self.port = free_port(address)
         self.group = None
         self.init_fields, self.update_fields = nccl_packed_fields(bucket_bytes)
 
@@ -178,9 +181,14 @@ class Refitter:
     """Drives init once and then every refit across all engines."""
 
     def __init__(self, engine_urls: list[str], workers_per_engine: int, cfg: RefitConfig,
-                 on_gpu: bool, colocated: bool = False) -> None:  # fmt: skip
+                 on_gpu: bool, colocated: bool = False,
+                 network: Network = SINGLE_NODE) -> None:  # fmt: skip
+        """`network`: the rendezvous listens on this process's node address across nodes, and
+        every control call carries the run's token."""
         self.cfg = cfg
-        self.engines = [EngineControl(url, cfg.timeout_s) for url in engine_urls]
+        for i, url in enumerate(engine_urls):  # a clear error, not a refit that times out
+            check_reachable(url, f"refit (the trainer's rank 0) dialling engine {i}")
+        self.engines = [EngineControl(url, cfg.timeout_s, network.token) for url in engine_urls]
         self.workers_per_engine = workers_per_engine
         world_size = 1 + workers_per_engine * len(engine_urls)
         backend = transfer_backend(cfg, on_gpu, colocated)
@@ -188,10 +196,10 @@ class Refitter:
             self.transport = IpcTransport()
         elif backend == "nccl":
             self.transport = NcclTransport(
-                world_size, cfg.timeout_s, cfg.bucket_mb << 20, "127.0.0.1"
+                world_size, cfg.timeout_s, cfg.bucket_mb << 20, network.host()
             )
         else:
-            self.transport = GlooTransport(world_size, cfg.timeout_s)
+            self.transport = GlooTransport(world_size, cfg.timeout_s, network.host())
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)))
         self.last_unupdated: list[str] = []  # with --refit.report_unupdated: the last refit's
 
@@ -303,11 +311,12 @@ class Refitter:
         self.pool.shutdown(wait=False)
 
 
-def set_sleeping(engine_urls: list[str], sleeping: bool, mode: str, timeout_s: float) -> None:
+def set_sleeping(engine_urls: list[str], sleeping: bool, mode: str, timeout_s: float,
+                 token: str | None = None) -> None:  # fmt: skip
     """vLLM sleep mode, level 1 (weights to host memory, KV cache dropped), or wake up. `mode`
     is the pause mode for requests in flight (see Refitter.refit)."""
     for url in engine_urls:
-        engine = EngineControl(url, timeout_s)
+        engine = EngineControl(url, timeout_s, token)
         if sleeping:
             engine.post("/sleep", level=1, mode=mode)
         else:

@@ -1,6 +1,8 @@
 """The router: vllm-router as its own process in front of the engines.
 
-Inference traffic only (refit talks to each engine directly). The default policy,
+Inference traffic only (refit talks to each engine directly). It listens on the driver's node
+address (molt_rollout.network); the engines get the run's token from the client's own header,
+which it passes on, and from `--api-key` on the requests it makes itself. The default policy,
 sticky least-loaded on the `x-session-id` header, keeps every request of one rollout on the
 engine that holds its prefix cache and places new sessions on the least-loaded engine.
 """
@@ -15,14 +17,16 @@ import httpx
 
 from molt_rollout import lifeline
 from molt_rollout.config import RouterConfig
-from molt_rollout.engine import EngineError, free_port, log_tail
+from molt_rollout.engine import EngineError, log_tail
+from molt_rollout.network import LOOPBACK, SINGLE_NODE, Network, check_reachable, free_port
 
 SESSION_HEADER = "x-session-id"
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, engine_urls: list[str], log_dir: str) -> None:
-        self.cfg, self.engine_urls = cfg, engine_urls
+    def __init__(self, cfg: RouterConfig, engine_urls: list[str], log_dir: str,
+                 network: Network = SINGLE_NODE) -> None:  # fmt: skip
+        self.cfg, self.engine_urls, self.network = cfg, engine_urls, network
         self.log_path = Path(log_dir) / "router.log"
         self.process: subprocess.Popen | None = None
         self.url = ""
@@ -34,16 +38,21 @@ class Router:
         )
         if executable is None:
             raise EngineError("vllm-router is not installed (pip install vllm-router)")
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        for i, url in enumerate(self.engine_urls):  # a clear error, not a router that waits
+            check_reachable(url, f"the router (this node) dialling engine {i}")
+        host = self.network.host()
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
         command = [
-            executable, "--host", "127.0.0.1", "--port", str(port),
+            executable, "--host", host, "--port", str(port),
             "--policy", self.cfg.policy,
             "--worker-urls", *self.engine_urls,
             # Its metrics exporter defaults to a fixed port (29000): two routers on one host
-            # (two runs, or a run beside a test's engines) would collide.
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            # (two runs, or a run beside a test's engines) would collide. Nothing dials it.
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
         ]  # fmt: skip
+        if self.network.token:  # vllm-router 0.1.17 takes it on the command line only
+            command += ["--api-key", self.network.token]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             # Tied to the driver's process: a killed driver leaves no router.
@@ -75,7 +84,8 @@ class Router:
 
     def _manage(self, path: str, url: str) -> None:
         try:
-            response = httpx.post(f"{self.url}{path}", params={"url": url}, timeout=30.0)
+            response = httpx.post(f"{self.url}{path}", params={"url": url}, timeout=30.0,
+                                  headers=self.network.headers())  # fmt: skip
         except httpx.HTTPError as error:
             raise EngineError(f"router {path} {url} failed: {error!r}") from error
         if response.status_code >= 400:

@@ -19,6 +19,7 @@ from molt_rollout.agent import Dropped
 from molt_rollout.client import TokenClient
 from molt_rollout.config import RolloutConfig
 from molt_rollout.loader import load_agent
+from molt_rollout.network import check_reachable
 from molt_rollout.pool import GroupResult, PromptTask
 
 
@@ -28,17 +29,20 @@ class RunnerActor:
     def __init__(self, agent: str, model: str, router_url: str, rollout: RolloutConfig,
                  apply_chat_template: bool, request_timeout_s: float, max_retries: int,
                  eval_rollout: RolloutConfig | None = None,
-                 adapter: str | None = None) -> None:  # fmt: skip
+                 adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
         """`adapter`: the engines serve each version as a LoRA adapter of that prefix
-        (TokenClient), for both agent forms: the capture server generates through this client."""
+        (TokenClient), for both agent forms: the capture server generates through this client.
+        `token`: the run's token (molt_rollout.network)."""
         from transformers import AutoTokenizer
 
         from molt_capture.media import load_image_encoder
 
+        check_reachable(router_url, "an agent runner dialling the router")
         runner_class = load_agent(agent)
         tokenizer = AutoTokenizer.from_pretrained(model)
         client = TokenClient(router_url, model, request_timeout_s, max_retries,
-                             top_logprobs=rollout.top_logprobs, adapter=adapter)  # fmt: skip
+                             top_logprobs=rollout.top_logprobs, adapter=adapter,
+                             token=token)  # fmt: skip
         # A multimodal model's processor, passed only then: text-only runners are unchanged.
         encoder = load_image_encoder(model)
         extra = {} if encoder is None else {"image_encoder": encoder}
@@ -73,12 +77,12 @@ class RunnerActors:
     def __init__(self, cfg: RolloutConfig, agent: str, model: str, router_url: str,
                  apply_chat_template: bool, request_timeout_s: float, max_retries: int,
                  eval_rollout: RolloutConfig | None = None,
-                 adapter: str | None = None) -> None:  # fmt: skip
+                 adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
         actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
             RunnerActor
         )
         args = (agent, model, router_url, cfg, apply_chat_template, request_timeout_s,
-                max_retries, eval_rollout, adapter)  # fmt: skip
+                max_retries, eval_rollout, adapter, token)  # fmt: skip
         self.actors = [actor.remote(*args) for _ in range(cfg.num_runners)]
         self._next = itertools.cycle(self.actors)
         # Surface a bad agent module or model path now, not at the first group; and never wait

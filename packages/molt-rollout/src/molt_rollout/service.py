@@ -11,6 +11,7 @@ from molt_rollout.adapters import AdapterServing
 from molt_rollout.client import TokenClient
 from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
 from molt_rollout.engine import EngineError, EngineGroup
+from molt_rollout.network import SINGLE_NODE, Network
 from molt_rollout.refit import Refitter, transfer_backend
 from molt_rollout.router import Router
 
@@ -31,6 +32,7 @@ class RolloutService:
     workers_per_engine: int
     refitter: Refitter | None  # None when another process (the trainer's rank 0) drives refit
     adapters: AdapterServing | None = None  # the engines serve LoRA adapters (adapter refit)
+    network: Network = SINGLE_NODE  # where servers listen, the run's token (molt_rollout.network)
     restarts: int = 0  # engines restarted in this run (`engine/restarts`)
     _unjoined: set[int] = field(default_factory=set)  # restarted, not yet refit nor routed to
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one restart at a time
@@ -40,31 +42,33 @@ class RolloutService:
     def start(cls, model: str, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig,
               log_dir: str, on_gpu: bool | None = None,
               with_refitter: bool = True, placement=None,
-              adapters: AdapterServing | None = None) -> "RolloutService":  # fmt: skip
+              adapters: AdapterServing | None = None,
+              network: Network = SINGLE_NODE) -> "RolloutService":  # fmt: skip
         """Start engines (Ray must be initialised), then the router, then (with_refitter) the
         refit rendezvous in this process; the engines' weights are version 0. A trainer that
         sends weights from its own process passes with_refitter=False and builds a `Refitter`
         from `engine_urls` and `workers_per_engine` there. The configs were validated at
         start-up (molt_rollout.config.validate_rollout_config). `placement`: the GPU bundles
         shared with the trainer when colocated (EngineGroup). `adapters`: the engines serve the
-        policy's LoRA adapters (molt_rollout.adapters), and the token clients name them."""
+        policy's LoRA adapters (molt_rollout.adapters), and the token clients name them.
+        `network`: the run's addresses and token (`Network.of_cluster` across nodes)."""
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
         backend = transfer_backend(refit, on_gpu, colocated=placement is not None)
-        engines = EngineGroup(vllm, model, backend, log_dir, on_gpu, placement, adapters)
+        engines = EngineGroup(vllm, model, backend, log_dir, on_gpu, placement, adapters, network)
         urls = engines.start()
         try:
-            router_process = Router(router, urls, log_dir)
+            router_process = Router(router, urls, log_dir, network)
             router_process.start()
             workers = vllm.tensor_parallel_size * vllm.data_parallel_size
             refitter = None
             if with_refitter:
-                refitter = Refitter(urls, workers, refit, on_gpu)
+                refitter = Refitter(urls, workers, refit, on_gpu, network=network)
                 refitter.init_transfer()
                 refitter.set_version(0)
         except BaseException:
             engines.shutdown()
             raise
-        return cls(model, vllm, engines, router_process, urls, workers, refitter, adapters)
+        return cls(model, vllm, engines, router_process, urls, workers, refitter, adapters, network)
 
     def watch(
         self,
@@ -130,7 +134,8 @@ class RolloutService:
     def token_client(self) -> TokenClient:
         """A generator for molt-capture sessions and Env runners (one per event loop)."""
         return TokenClient(self.router.url, self.model, self.vllm.request_timeout_s,
-                           self.vllm.max_retries, adapter=self.adapters and self.adapters.name)  # fmt: skip
+                           self.vllm.max_retries, adapter=self.adapters and self.adapters.name,
+                           token=self.network.token)  # fmt: skip
 
     def shutdown(self) -> None:
         self._stopped.set()

@@ -67,6 +67,9 @@ class ActorConfig:
     freeze_moe_router: bool = False  # do not train MoE router weights
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = 0  # base seed; each rank adds its rank
+    # Custom Ray resources each rank asks for, e.g. {"trainer_node": 1}: ranks go to the nodes
+    # started with them (`ray start --resources`); {}: wherever Ray places them.
+    ray_resources: dict[str, float] = field(default_factory=dict)
 
 
 def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
@@ -75,6 +78,8 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
     n, optim = actor.num_workers, actor.optim
     if n < 1:
         raise ValueError(f"--actor.num_workers must be >= 1, got {n}")
+    if any(amount <= 0 for amount in actor.ray_resources.values()):
+        raise ValueError(f"--actor.ray_resources amounts must be > 0, got {actor.ray_resources}")
     for name in ("tp_size", "cp_size", "ep_size"):
         size = getattr(fsdp, name)
         if size < 1 or n % size:

@@ -169,7 +169,7 @@ def config_file_flags(path: str, config_type: type = RunConfig) -> list[str]:
     known = dict(_fields(config_type))
     groups = {name.rsplit(".", 1)[0] for name in known if "." in name}
     flags: list[str] = []
-    for key, value in _flatten(data):
+    for key, value in _flatten(data, known):
         if key not in known:
             what = "is a group, give its keys" if key in groups else "is not a setting"
             _exit(f"--config {path}: key {key!r} {what} (see docs/flags.md)")
@@ -177,13 +177,15 @@ def config_file_flags(path: str, config_type: type = RunConfig) -> list[str]:
     return flags
 
 
-def _flatten(data: Any, prefix: str = ""):
+def _flatten(data: Any, known: dict, prefix: str = ""):
+    """(flag, value) pairs; a table is a group of settings unless it is a setting's value
+    (a dict-valued setting such as --rollout.chat_template_kwargs)."""
     if not isinstance(data, dict):
         _exit(f"--config: expected a table of settings, got {data!r}")
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and not name.endswith("chat_template_kwargs"):
-            yield from _flatten(value, f"{name}.")
+        if isinstance(value, dict) and value and name not in known:
+            yield from _flatten(value, known, f"{name}.")
         else:
             yield name, value
 

@@ -377,6 +377,9 @@ def validate_colocation(cfg: RunConfig) -> None:
             "requests kept across it (--train.partial_rollout_enable True) would lose theirs: "
             "add --train.partial_rollout_enable False (in-flight requests finish first)"
         )
+    if vllm.ray_resources or cfg.actor.ray_resources:
+        raise ValueError("--train.colocate places engine and trainer in shared GPU bundles; "
+                         "--vllm.ray_resources and --actor.ray_resources do not apply")  # fmt: skip
     if backend not in ("auto", "ipc"):
         raise ValueError(f"--train.colocate with --refit.backend {backend}: the engine shares "
                          "the trainer's GPU, so weights go over CUDA IPC; use auto or ipc")  # fmt: skip

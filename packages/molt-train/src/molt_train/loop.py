@@ -27,6 +27,7 @@ from molt_rollout import lifeline
 from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
 from molt_rollout.engine import COLOCATED_GPU_SHARE
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
+from molt_rollout.network import Network
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
 from molt_rollout.refit import set_sleeping
 from molt_rollout.runner_actors import RunnerActors
@@ -73,6 +74,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     # The resolved config names the model that trained.
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
     cfg, run_dir = prepare_run_dir(cfg)
+    # One node: loopback, no token. Several: each server on its node's address, with a token.
+    network = Network.of_cluster()
 
     # ---- engines and router, the policy actor built meanwhile (both mostly wait on imports) -
     # Colocated: one-GPU bundles that the engine and every model's rank i share; in Ray's books
@@ -88,7 +91,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     def start_rollout() -> RolloutService:
         return RolloutService.start(model, cfg.vllm, cfg.router, cfg.refit, str(run_dir / "logs"),
                                     on_gpu, with_refitter=False, placement=bundles,
-                                    adapters=adapters)  # fmt: skip
+                                    adapters=adapters, network=network)  # fmt: skip
 
     def build_policy() -> ModelGroup:
         return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
@@ -102,7 +105,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval),
-                           adapters and adapters.name)  # fmt: skip
+                           adapters and adapters.name, network.token)  # fmt: skip
     forced = cfg.train.force_on_policy
     pool = RolloutPool(
         source, runners.launch, cfg.rollout,
@@ -116,7 +119,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
     # ---- training: the policy's refit link to the engines, reference and critic -----------
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles),
-                      adapters, adapter_dir)  # fmt: skip
+                      adapters, adapter_dir, network)  # fmt: skip
     actors = {"policy": policy}
     reference = critic = None
     if cfg.ref.enable:
@@ -171,7 +174,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
         def rebuild(urls: list[str]) -> dict[str, float]:
             policy.init_refit(urls, rollout.workers_per_engine, cfg.refit, bool(bundles),
-                              adapters, adapter_dir)  # fmt: skip
+                              adapters, adapter_dir, network)  # fmt: skip
             return policy.refit(version, pause_mode)
 
         return rollout.rejoin(rebuild)
@@ -207,7 +210,9 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
             with stop.critical():  # a signal waits until the step is trained, logged and saved
                 if cfg.vllm.enable_sleep_mode:  # the engine's memory is the trainer's meanwhile
-                    set_sleeping(rollout.engine_urls, True, pause_mode, cfg.refit.timeout_s)
+                    set_sleeping(
+                        rollout.engine_urls, True, pause_mode, cfg.refit.timeout_s, network.token
+                    )
                 experience = make_experience(batch, version, policy, cfg.algo, kl_ctl.coef,
                                              reference, critic, cfg.train.routing_replay,
                                              cfg.reward, reuse)  # fmt: skip
@@ -220,7 +225,9 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                                                  cfg.algo))  # fmt: skip
                 t_trained = time.perf_counter()
                 if cfg.vllm.enable_sleep_mode:
-                    set_sleeping(rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s)
+                    set_sleeping(
+                        rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s, network.token
+                    )
 
                 version += 1
                 refit_times = refit(version)

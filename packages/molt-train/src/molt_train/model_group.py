@@ -24,12 +24,13 @@ Role = Literal["policy", "reference", "critic"]
 SHUTDOWN_TIMEOUT_S = 10.0  # then the workers are killed (a healthy rank needs about 1 s)
 
 
-def gpu_bundles(n: int):
-    """A Ray placement group of `n` one-GPU bundles on as few nodes as possible, ready."""
+def gpu_bundles(n: int, resources: dict[str, float] | None = None):
+    """A Ray placement group of `n` one-GPU bundles (each with `resources` too) on as few nodes
+    as possible, ready."""
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
+    bundles = placement_group([{"GPU": 1, "CPU": 1, **(resources or {})}] * n, strategy="PACK")
     ray.get(bundles.ready(), timeout=600)
     return bundles
 
@@ -74,18 +75,20 @@ class ModelGroup:
         self.model_path = model_path
         self.placement = None
 
-        options = [{"num_cpus": 0}] * n  # CPU: workers must not hold the cores engines need
+        # CPU: workers must not hold the cores engines need.
+        options = [{"num_cpus": 0, "resources": dict(cfg.ray_resources)}] * n
         if on_gpu:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             if colocation is None:  # rank i holds bundle i's GPU alone
-                self.placement = gpu_bundles(n)
+                self.placement = gpu_bundles(n, cfg.ray_resources)
                 bundles, share = self.placement, 1.0
             else:
                 bundles, share = colocation
             options = [
                 {
                     "num_gpus": share,
+                    "resources": dict(cfg.ray_resources),
                     "num_cpus": 0 if colocation else 1,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         bundles, placement_group_bundle_index=i
@@ -181,11 +184,14 @@ class ModelGroup:
         return self._all(lambda r, w: w.full_state.remote())[0]
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
-                   colocated: bool = False, adapters=None, adapter_dir: str = "") -> None:  # fmt: skip
+                   colocated: bool = False, adapters=None, adapter_dir: str = "",
+                   network=None) -> None:  # fmt: skip
         """Rank 0's link to the engines (molt_train.weights_out); `adapters`: the adapter refit,
-        each version's adapter written under `adapter_dir`."""
+        each version's adapter written under `adapter_dir`; `network`: the run's addresses and
+        token (molt_rollout.network; None: loopback)."""
         self._all(lambda r, w: w.init_refit.remote(engine_urls, workers_per_engine, refit_cfg,
-                                                   colocated, adapters, adapter_dir))  # fmt: skip
+                                                   colocated, adapters, adapter_dir,
+                                                   network))  # fmt: skip
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
         """New weights into every engine as `version` (after `init_refit`); rank 0's timings

@@ -115,12 +115,9 @@ class ModelWorker(WeightsOut):
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's address, a free port) for the process group's TCP rendezvous."""
-        try:
-            import ray
+        from molt_rollout.network import node_address
 
-            address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        except ImportError:
-            address = "127.0.0.1"
+        address = node_address()
         with socket.socket() as sock:
             sock.bind(("", 0))
             return address, sock.getsockname()[1]

@@ -133,7 +133,8 @@ class WeightsOut:
     # ------------------------------------------------------------------ refit
 
     def init_refit(self, engine_urls: list[str], workers_per_engine: int, refit_cfg,
-                   colocated: bool = False, adapters=None, adapter_dir: str = "") -> None:  # fmt: skip
+                   colocated: bool = False, adapters=None, adapter_dir: str = "",
+                   network=None) -> None:  # fmt: skip
         """Rank 0 becomes rank 0 of the weight-transfer group with every engine worker (again,
         in a new group, after an engine restart; `colocated`: the engine is on rank 0's GPU).
         `adapters` (molt_rollout.adapters.AdapterServing): the adapter refit instead, which
@@ -141,7 +142,10 @@ class WeightsOut:
         if self.rank != 0:
             return
         from molt_rollout.adapters import AdapterRefitter
+        from molt_rollout.network import Network
         from molt_rollout.refit import Refitter
+
+        network = network or Network()
 
         if adapters is not None:
             if self.refitter is None:
@@ -149,14 +153,14 @@ class WeightsOut:
                 # the run left (a resumed run) no engine serves any more.
                 self.adapter_dir = adapter_dir
                 shutil.rmtree(adapter_dir, ignore_errors=True)
-                self.refitter = AdapterRefitter(engine_urls, refit_cfg, adapters)
+                self.refitter = AdapterRefitter(engine_urls, refit_cfg, adapters, network.token)
             else:  # engines restarted: the window of adapters carries on
                 self.refitter.set_engines(engine_urls)
             return
         if self.refitter is not None:
             self.refitter.release()
         self.refitter = Refitter(engine_urls, workers_per_engine, refit_cfg, self.on_gpu,
-                                 colocated)  # fmt: skip
+                                 colocated, network)  # fmt: skip
         self.refitter.init_transfer()
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:

@@ -1,0 +1,97 @@
+"""Where a run's servers listen and how they are dialled: the one owner of both.
+
+A run on one node keeps everything on loopback (127.0.0.1) and sends no token. A run on a
+cluster of several nodes has every server (engines, router) listen on the address Ray gives
+its own node and be dialled there, and every such server requires the run's token as
+`Authorization: Bearer <token>`: one random token per run (or `MOLT_API_TOKEN`), made by the
+driver in `Network.of_cluster` and handed to the actors that start or dial servers. The refit
+rendezvous (a torch TCPStore, or NCCL's) likewise uses the address of the rank hosting it.
+
+`check_reachable` is the start-up check of each dial across nodes: it names both addresses
+and the port when a connection cannot be made.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+LOOPBACK = "127.0.0.1"
+TOKEN_ENV = "MOLT_API_TOKEN"  # a token of the user's choosing instead of a random one
+REACH_TIMEOUT_S = 10.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def node_address() -> str:
+    """This process's node's address as Ray knows it (loopback without Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+
+
+@dataclass(frozen=True)
+class Network:
+    """The run's addressing: `multi_node` False is loopback everywhere, no token."""
+
+    multi_node: bool = False
+    token: str | None = field(default=None, repr=False)  # never in a log line
+
+    def __post_init__(self) -> None:
+        if self.multi_node and not self.token:
+            raise ValueError("servers reachable from other nodes need a token")
+
+    @classmethod
+    def of_cluster(cls) -> Network:
+        """The driver's choice, once per run, from the Ray cluster it joined."""
+        import ray
+
+        multi_node = sum(1 for node in ray.nodes() if node["Alive"]) > 1
+        token = os.environ.get(TOKEN_ENV) or (secrets.token_urlsafe(32) if multi_node else None)
+        return cls(multi_node, token)
+
+    def host(self) -> str:
+        """The address a server started in this process listens on and is dialled at."""
+        return node_address() if self.multi_node else LOOPBACK
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+SINGLE_NODE = Network()  # the default of every component: loopback, no token
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now (a server started next binds it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class UnreachableError(ConnectionError):
+    """A server on another node could not be dialled; the message names both ends."""
+
+
+def check_reachable(url: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Open (and close) a TCP connection to `url`'s host and port, or raise UnreachableError
+    naming this node's address, the server's address and the port."""
+    parts = urlsplit(url if "://" in url else f"tcp://{url}")
+    host, port = parts.hostname or "", parts.port or 80
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise UnreachableError(
+            f"{what}: this node ({node_address()}) cannot connect to {host} port {port} "
+            f"({error}); is the port open between the two nodes?"
+        ) from None

@@ -1,0 +1,132 @@
+"""A run across two Ray nodes on one machine: a head node (the driver's, with the CPUs and the
+`trainer_node` resource) and a second node on 127.0.0.2 (no CPUs, the `engine_node` resource).
+The engine is pinned to the second node, the runners (they need CPUs) and the policy rank to
+the head; a short quickstart run completes, its refits cross nodes, the engine listens on its
+own node's address and refuses calls without the run's token, and nothing is left afterwards.
+Ray records a head started on 127.0.0.1 under the host's own address (it resolves 127.0.0.1 to
+it), so the head's servers (router, refit rendezvous) listen there; the engine on 127.0.0.2."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from molt_rollout.network import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "recipes" / "ray_cluster.sh"
+pytestmark = pytest.mark.slow
+
+
+def bindable(host: str) -> bool:
+    try:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, RAY_AUTH_MODE="disabled",
+                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
+
+
+def node(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+@contextlib.contextmanager
+def two_nodes():
+    """The cluster's address; both nodes (and so every actor and engine on them) end after."""
+    port = str(free_port())
+    nodes = [node("head", "127.0.0.1", port, "--num-cpus", "2",
+                  "--resources", '{"trainer_node": 1}')]  # fmt: skip
+    try:
+        nodes.append(node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "0",
+                          "--resources", '{"engine_node": 1}'))  # fmt: skip
+        ready = subprocess.run(["bash", str(SCRIPT), "wait", "127.0.0.1", port, "2", "180"],
+                               env=env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        for process in reversed(nodes):
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(nodes):
+            process.wait(60)
+        address_file = Path("/tmp/ray/ray_current_cluster")  # `ray start` leaves it
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
+                              capture_output=True, text=True)  # fmt: skip
+    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
+
+
+def engine_address(log: Path, process: subprocess.Popen) -> tuple[str, int]:
+    """(host, port) from the engine's command line, the first line of its log."""
+    deadline = time.monotonic() + 300
+    while not log.exists() or "--port" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, "no engine log"
+        time.sleep(0.5)
+    line = log.read_text().splitlines()[0]
+    return re.search(r"--host (\S+)", line)[1], int(re.search(r"--port (\d+)", line)[1])
+
+
+def servers_on(port: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(p.info["cmdline"] or [])
+            if "vllm.entrypoints" in line and f"--port {port}" in line:
+                found.append(p)
+    return found
+
+
+@pytest.mark.skipif(not bindable("127.0.0.2"), reason="127.0.0.2 is not bindable here")
+def test_a_run_across_two_nodes(tmp_path):
+    run = tmp_path / "multinode"
+    with two_nodes() as address:
+        cmd = [sys.executable, "-m", "molt_train.cli", "quickstart",
+               "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
+               "--eval.every_steps", "0", "--train.num_steps", "3",
+               "--rollout.groups_per_batch", "4", "--train.ray_address", address,
+               "--vllm.ray_resources", "engine_node", "1",
+               "--actor.ray_resources", "trainer_node", "1",
+               "--train.output_dir", str(tmp_path), "--logger.run_name", run.name]  # fmt: skip
+        with open(f"{run}.out", "w") as out, open(f"{run}.err", "w") as err:
+            driver = subprocess.Popen(cmd, env=env(), stdout=out, stderr=err)
+        try:
+            host, port = engine_address(run / "logs" / "engine_0.log", driver)
+            assert host == "127.0.0.2"  # its own node's address, from Ray
+            while driver.poll() is None and not (run / "metrics.jsonl").exists():
+                time.sleep(0.5)  # the engine serves: a step has been generated
+            if driver.poll() is None:
+                url = f"http://{host}:{port}"
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+                for path in ("/pause", "/inference/v1/generate"):  # control and inference
+                    assert httpx.post(f"{url}{path}", timeout=10).status_code == 401
+            driver.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                driver.kill()
+        stderr = Path(f"{run}.err").read_text()
+        assert driver.returncode == 0, stderr[-4000:]
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        # Every refit crossed the nodes: the engine samples exactly the trainer's weights.
+        assert all(r["timing/refit_total"] > 0 for r in rows)
+        assert all(abs(r["is/vllm_kl"]) < 1e-3 for r in rows if r["is/vllm_kl"] is not None)
+        assert rows[-1]["train/weight_version"] == 3
+        assert not servers_on(port), "the engine outlived the run"
