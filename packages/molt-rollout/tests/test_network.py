@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from molt_capture.server import is_loopback
 from molt_rollout import network
 from molt_rollout.config import VLLMConfig, server_args
 from molt_rollout.engine_auth import TOKEN_ENV, RequireToken
@@ -15,11 +16,10 @@ from molt_rollout.network import (
     Network,
     UnreachableError,
     check_reachable,
-    is_loopback,
 )
 
 
-def test_loopback_addresses():
+def test_loopback_addresses():  # capture's rule, which the run's addresses follow too
     assert is_loopback("127.0.0.1") and is_loopback("127.0.0.2") and is_loopback("localhost")
     assert is_loopback("::1")
     assert not is_loopback("192.0.2.7") and not is_loopback("node-3.cluster")

@@ -39,7 +39,7 @@ MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's documented limit for a Messages re
 WORKER_THREADS = 32
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -73,7 +73,7 @@ class CaptureServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         image_encoder: ImageEncoder | None = None,
     ):
-        if not _is_loopback(host) and not api_key:
+        if not is_loopback(host) and not api_key:
             raise ValueError(f"binding {host} (beyond loopback) requires an api_key")
         self.renderer = ChatRenderer(tokenizer, parser, chat_template_kwargs)
         # A multimodal model's processor: the wires then take image parts (else a clear 400),

@@ -13,7 +13,6 @@ and the port when a connection cannot be made.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 import socket
@@ -23,15 +22,6 @@ from urllib.parse import urlsplit
 LOOPBACK = "127.0.0.1"
 TOKEN_ENV = "MOLT_API_TOKEN"  # a token of the user's choosing instead of a random one
 REACH_TIMEOUT_S = 10.0
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: assume it is reachable from elsewhere
-        return False
 
 
 def node_address() -> str:
