@@ -37,13 +37,12 @@ import contextlib
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from molt_rollout.client import adapter_name
 from molt_rollout.config import RefitConfig
-from molt_rollout.refit import EngineControl, RefitError
+from molt_rollout.refit import EngineControl, EngineSet, RefitError
 
 # vLLM's --max-lora-rank choices (vllm.config.lora.MaxLoRARanks, the same in 0.26 and 0.32):
 # the engine's rank is the smallest of them that holds the adapter's (zero-padded).
@@ -100,7 +99,7 @@ def retired_adapter(path: Path) -> Path:
     return out
 
 
-class AdapterRefitter:
+class AdapterRefitter(EngineSet):
     """Loads each version's adapter into every engine, sets the version, unloads the ones
     that left the window. The trainer's rank 0 owns one, in place of a `Refitter`."""
 
@@ -108,12 +107,11 @@ class AdapterRefitter:
                  token: str | None = None) -> None:  # fmt: skip
         """`token`: the run's token, for engines on other nodes (molt_rollout.network). The
         adapter directories are read by the engines: across nodes, a filesystem they share."""
-        self.cfg, self.serving, self.token = cfg, serving, token
+        super().__init__([EngineControl(url, cfg.timeout_s, token) for url in engine_urls], cfg)
+        self.serving, self.token = serving, token
         self.kept: list[tuple[int, str]] = []  # (version, directory) in the window, oldest first
         self.retired: Path | None = None  # what a retired version's files become (docstring)
-        self.engines: list[EngineControl] = []
         self.loaded: dict[str, set[str]] = {}  # engine URL -> the adapter names it holds
-        self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(engine_urls)))
         self.set_engines(engine_urls)
 
     def set_engines(self, engine_urls: list[str]) -> None:
@@ -123,13 +121,6 @@ class AdapterRefitter:
         self.engines = [known.get(url) or EngineControl(url, self.cfg.timeout_s, self.token)
                         for url in engine_urls]  # fmt: skip
         self.loaded = {url: self.loaded.get(url, set()) for url in engine_urls}
-
-    def _on_all(self, call) -> list:
-        futures = [self.pool.submit(call, engine) for engine in self.engines]
-        return [f.result(timeout=self.cfg.timeout_s) for f in futures]
-
-    def set_version(self, version: int) -> None:
-        self._on_all(lambda e: e.post("/update_weight_version", {"new_version": str(version)}))
 
     def refit(self, version: int, path: str) -> dict[str, float]:
         """Serve the adapter written at `path` as `version` on every engine. Again for the same
@@ -186,6 +177,3 @@ class AdapterRefitter:
 
     def release(self) -> None:
         """Nothing to end on the engines (no transfer group): see `set_engines`."""
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False)

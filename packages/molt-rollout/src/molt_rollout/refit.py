@@ -177,7 +177,27 @@ class IpcTransport:
         torch.cuda.ipc_collect()
 
 
-class Refitter:
+class EngineSet:
+    """The engines a refit drives, called all at once from a thread pool (a Refitter's and an
+    AdapterRefitter's common part)."""
+
+    def __init__(self, engines: list[EngineControl], cfg: RefitConfig) -> None:
+        self.cfg, self.engines = cfg, engines
+        self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(engines)))
+
+    def _on_all(self, call: Callable[[EngineControl], object], calls: int = 1) -> list:
+        """`call` on every engine at once; it makes `calls` HTTP calls, each within the timeout."""
+        futures = [self.pool.submit(call, engine) for engine in self.engines]
+        return [f.result(timeout=calls * self.cfg.timeout_s) for f in futures]
+
+    def set_version(self, version: int) -> None:
+        self._on_all(lambda e: e.post("/update_weight_version", {"new_version": str(version)}))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+class Refitter(EngineSet):
     """Drives init once and then every refit across all engines."""
 
     def __init__(self, engine_urls: list[str], workers_per_engine: int, cfg: RefitConfig,
@@ -185,10 +205,9 @@ class Refitter:
                  network: Network = SINGLE_NODE) -> None:  # fmt: skip
         """`network`: the rendezvous listens on this process's node address across nodes, and
         every control call carries the run's token."""
-        self.cfg = cfg
         for i, url in enumerate(engine_urls):  # a clear error, not a refit that times out
             check_reachable(url, f"refit (the trainer's rank 0) dialling engine {i}")
-        self.engines = [EngineControl(url, cfg.timeout_s, network.token) for url in engine_urls]
+        super().__init__([EngineControl(u, cfg.timeout_s, network.token) for u in engine_urls], cfg)
         self.workers_per_engine = workers_per_engine
         world_size = 1 + workers_per_engine * len(engine_urls)
         backend = transfer_backend(cfg, on_gpu, colocated)
@@ -200,13 +219,7 @@ class Refitter:
             )
         else:
             self.transport = GlooTransport(world_size, cfg.timeout_s, network.host())
-        self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)))
         self.last_unupdated: list[str] = []  # with --refit.report_unupdated: the last refit's
-
-    def _on_all(self, call: Callable[[EngineControl], object], calls: int = 1) -> list:
-        """`call` on every engine at once; it makes `calls` HTTP calls, each within the timeout."""
-        futures = [self.pool.submit(call, engine) for engine in self.engines]
-        return [f.result(timeout=calls * self.cfg.timeout_s) for f in futures]
 
     def init_transfer(self) -> None:
         """Rendezvous the trainer (rank 0) with every engine worker: once per run, and again
@@ -223,9 +236,6 @@ class Refitter:
         connector.join(self.cfg.timeout_s)
         if connector.is_alive():
             raise RefitError(f"weight-transfer rendezvous timed out after {self.cfg.timeout_s} s")
-
-    def set_version(self, version: int) -> None:
-        self._on_all(lambda e: e.post("/update_weight_version", {"new_version": str(version)}))
 
     def pause(self, mode: str = "keep") -> None:
         self._on_all(lambda e: e.post("/pause", mode=mode))
@@ -306,9 +316,6 @@ class Refitter:
 
         self._on_all(shutdown, calls=2)
         self.close()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False)
 
 
 def set_sleeping(engine_urls: list[str], sleeping: bool, mode: str, timeout_s: float,
