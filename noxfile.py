@@ -29,6 +29,8 @@ ALLOWED_DEPS = {
     "molt-algos": ["torch", "numpy"],
     "molt-capture": [
         "fastapi",
+        "numpy",
+        "pillow",
         "uvicorn",
         "httpx",
         "pydantic",
