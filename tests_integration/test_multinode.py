@@ -8,9 +8,7 @@ it), so the head's servers (router, refit rendezvous) listen there; the engine o
 
 import contextlib
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +18,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from test_ray_bootstrap import cluster, env
 
-from molt_rollout.network import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "recipes" / "ray_cluster.sh"
 pytestmark = pytest.mark.slow
 
 
@@ -37,41 +32,10 @@ def bindable(host: str) -> bool:
         return False
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, RAY_AUTH_MODE="disabled",
-                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
-
-
-def node(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-
-
-@contextlib.contextmanager
 def two_nodes():
-    """The cluster's address; both nodes (and so every actor and engine on them) end after."""
-    port = str(free_port())
-    nodes = [node("head", "127.0.0.1", port, "--num-cpus", "2",
-                  "--resources", '{"trainer_node": 1}')]  # fmt: skip
-    try:
-        nodes.append(node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "0",
-                          "--resources", '{"engine_node": 1}'))  # fmt: skip
-        ready = subprocess.run(["bash", str(SCRIPT), "wait", "127.0.0.1", port, "2", "180"],
-                               env=env(), capture_output=True, text=True, timeout=240)  # fmt: skip
-        assert ready.returncode == 0, ready.stdout + ready.stderr
-        yield f"127.0.0.1:{port}"
-    finally:
-        for process in reversed(nodes):
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in reversed(nodes):
-            process.wait(60)
-        address_file = Path("/tmp/ray/ray_current_cluster")  # `ray start` leaves it
-        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
-            address_file.unlink()
-    time.sleep(1)
-    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
-                              capture_output=True, text=True)  # fmt: skip
-    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
+    """The head (2 CPUs, the trainer's) and an engine node without CPUs: see `cluster`."""
+    return cluster(["--num-cpus", "2", "--resources", '{"trainer_node": 1}'],
+                   ["--num-cpus", "0", "--resources", '{"engine_node": 1}'])  # fmt: skip
 
 
 def engine_address(log: Path, process: subprocess.Popen) -> tuple[str, int]:

@@ -2,6 +2,7 @@
 on 127.0.0.2 (two raylets on one machine, as two hosts would run them) form one cluster that a
 driver joins; ending the two node processes ends the nodes."""
 
+import contextlib
 import json
 import os
 import signal
@@ -12,54 +13,61 @@ from pathlib import Path
 
 import pytest
 
-from molt_rollout.engine import free_port
+from molt_rollout.network import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "ray_cluster.sh"
 pytestmark = pytest.mark.slow
 
 
+def env() -> dict[str, str]:
+    return dict(os.environ, RAY_AUTH_MODE="disabled",
+                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
+
+
 def node(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
-    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env, start_new_session=True,
+    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def test_head_and_worker_form_one_cluster(tmp_path):
+@contextlib.contextmanager
+def cluster(head: list[str], worker: list[str]):
+    """A head on 127.0.0.1 and a worker node on 127.0.0.2, started by the recipe's script with
+    these `ray start` options; yields the address. After: both nodes (and so every actor and
+    engine on them) ended, Ray's address file naming them gone, and no GCS of theirs left."""
     port = str(free_port())
-    head = node("head", "127.0.0.1", port, "--num-cpus", "1", "--resources", '{"head": 1}')
-    worker = None
+    nodes = [node("head", "127.0.0.1", port, *head)]
     try:
-        worker = node("worker", "127.0.0.1", port, "127.0.0.2", "--num-cpus", "1",
-                      "--resources", '{"engine_node": 1}')  # fmt: skip
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                   RAY_AUTH_MODE="disabled")  # fmt: skip
+        nodes.append(node("worker", "127.0.0.1", port, "127.0.0.2", *worker))
         ready = subprocess.run(["bash", str(SCRIPT), "wait", "127.0.0.1", port, "2", "180"],
-                               env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+                               env=env(), capture_output=True, text=True, timeout=240)  # fmt: skip
         assert ready.returncode == 0, ready.stdout + ready.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        for process in reversed(nodes):
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(nodes):
+            process.wait(60)
+        # `ray start` records the head's address for plain `ray.init()` calls on this machine
+        # (Molt's own pass address="local"); a file naming the ended test cluster must not stay.
+        address_file = Path("/tmp/ray/ray_current_cluster")
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
+                              capture_output=True, text=True)  # fmt: skip
+    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
+
+
+def test_head_and_worker_form_one_cluster():
+    with cluster(["--num-cpus", "1", "--resources", '{"head": 1}'],
+                 ["--num-cpus", "1", "--resources", '{"engine_node": 1}']) as address:  # fmt: skip
         probe = (
             "import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
             "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
         )
-        out = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], env=env,
+        out = subprocess.run([sys.executable, "-c", probe, address], env=env(),
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         # The worker is the node on 127.0.0.2; Ray may record the head under the host's own
         # address rather than 127.0.0.1.
         addresses = json.loads(out.stdout.strip().splitlines()[-1])
         assert len(addresses) == 2 and "127.0.0.2" in addresses, out.stderr
-    finally:
-        for process in (worker, head):
-            if process is not None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in (worker, head):
-            if process is not None:
-                process.wait(60)
-    # `ray start` records the head's address for plain `ray.init()` calls on this machine
-    # (Molt's own pass address="local"); a file naming the ended test cluster must not stay.
-    address_file = Path("/tmp/ray/ray_current_cluster")
-    if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
-        address_file.unlink()
-    time.sleep(1)
-    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
-                              capture_output=True, text=True)  # fmt: skip
-    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
