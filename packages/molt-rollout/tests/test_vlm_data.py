@@ -203,7 +203,10 @@ def test_text_only_capture_server_keeps_the_clear_400(encoder):
     assert isinstance(result, Dropped) and result.reason == "empty"
 
 
-def test_anthropic_image_blocks_render_as_the_openai_parts_do(encoder):
+def assert_renders_as_the_openai_parts_do(encoder, send):
+    """A ChatAgent whose `run` is `send(ctx)` (one red PNG and "colour?" through some wire)
+    reaches the generator with the ids and image of the same chat as OpenAI parts; returns
+    the rollout and that expected prompt."""
     tokenizer = encoder.processor.tokenizer
     sent = []
 
@@ -214,15 +217,7 @@ def test_anthropic_image_blocks_render_as_the_openai_parts_do(encoder):
 
     class Sends(ChatAgent):
         async def run(self, ctx: ChatContext) -> Result:
-            data = base64.b64encode(png("red")).decode()
-            client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url,
-                                              api_key=ctx.api_key, max_retries=0)  # fmt: skip
-            async with client:
-                await client.messages.create(model=ctx.model, max_tokens=4, messages=[
-                    {"role": "user", "content": [
-                        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                     "data": data}},
-                        {"type": "text", "text": "colour?"}]}])  # fmt: skip
+            await send(ctx)
             return Result(reward=0.0)
 
     class Runner(ChatRunner):
@@ -240,41 +235,33 @@ def test_anthropic_image_blocks_render_as_the_openai_parts_do(encoder):
     want = encoder.encode(text, [png("red")])
     ((ids, images),) = sent
     assert ids == want.token_ids and [i.mm_hash for i in images] == [want.images[0].mm_hash]
+    return rollout, want
+
+
+def test_anthropic_image_blocks_render_as_the_openai_parts_do(encoder):
+    async def send(ctx: ChatContext) -> None:
+        data = base64.b64encode(png("red")).decode()
+        client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url,
+                                          api_key=ctx.api_key, max_retries=0)  # fmt: skip
+        async with client:
+            await client.messages.create(model=ctx.model, max_tokens=4, messages=[
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": data}},
+                    {"type": "text", "text": "colour?"}]}])  # fmt: skip
+
+    rollout, want = assert_renders_as_the_openai_parts_do(encoder, send)
     assert rollout.segments[0].images[0].mm_hash == want.images[0].mm_hash
 
 
 def test_responses_input_image_renders_as_the_openai_parts_do(encoder):
-    tokenizer = encoder.processor.tokenizer
-    sent = []
+    async def send(ctx: ChatContext) -> None:
+        url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        async with client:
+            await client.responses.create(model=ctx.model, max_output_tokens=4, input=[
+                {"role": "user", "content": [
+                    {"type": "input_image", "image_url": url, "detail": "auto"},
+                    {"type": "input_text", "text": "colour?"}]}])  # fmt: skip
 
-    class Recording(FakeGenerator):
-        async def __call__(self, ids, params, session_id, images=()):
-            sent.append((list(ids), list(images)))
-            return await super().__call__(ids, params, session_id)
-
-    class Sends(ChatAgent):
-        async def run(self, ctx: ChatContext) -> Result:
-            url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
-            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-            async with client:
-                await client.responses.create(model=ctx.model, max_output_tokens=4, input=[
-                    {"role": "user", "content": [
-                        {"type": "input_image", "image_url": url, "detail": "auto"},
-                        {"type": "input_text", "text": "colour?"}]}])  # fmt: skip
-            return Result(reward=0.0)
-
-    class Runner(ChatRunner):
-        agent_class = Sends
-
-    runner = Runner(Recording(tokenizer, ["red"]), tokenizer,
-                    RolloutConfig(max_len=200, generator_timeout_s=10), image_encoder=encoder)  # fmt: skip
-    try:
-        rollout = asyncio.run(runner.run({"prompt": "unused"}, "r", "g"))
-    finally:
-        runner.close()
-    assert isinstance(rollout, Rollout), rollout
-    text = encoder.processor.apply_chat_template(image_chat(1), add_generation_prompt=True,
-                                                 tokenize=False)  # fmt: skip
-    want = encoder.encode(text, [png("red")])
-    ((ids, images),) = sent
-    assert ids == want.token_ids and [i.mm_hash for i in images] == [want.images[0].mm_hash]
+    assert_renders_as_the_openai_parts_do(encoder, send)

@@ -170,6 +170,8 @@ def check_placeholders(
     trainer's VLM forward (transformers' Idefics3) takes every such id for an image slot and
     has no image for it. Only a near-random model samples one (the tiny VLM: about 0.3% per
     token); the rollout drops as `engine_error`."""
+    if not images:  # a text prompt: nothing to check on the hot path
+        return gen
     placeholders = {token_ids[image.offset] for image in images}
     if placeholders & set(gen.token_ids):
         raise GenerationError(f"the engine sampled an image placeholder token {placeholders}")
