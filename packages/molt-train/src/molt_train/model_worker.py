@@ -365,9 +365,11 @@ class ModelWorker(WeightsOut):
             return reduce
 
         self.model.train()
-        totals: dict[str, float] = {}  # summed over microbatches (and ranks, below)
-        weighted: dict[str, float] = {}  # token-weighted: sum of value * tokens, / num_tokens
-        old_rows: list[list[list[float]]] = []
+        # Device scalars or floats, read once after the loop (a read per microbatch would make
+        # the host wait for the GPU's queue in the middle of the step).
+        totals: dict[str, Tensor | float] = {}  # summed over microbatches (and ranks, below)
+        weighted: dict[str, Tensor | float] = {}  # sum of value x tokens, / num_tokens
+        kept: list[tuple] = []  # (batch, old log-probs) per microbatch, read after the loop
         prepare_for_grad_accumulation([self.model])
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
@@ -381,9 +383,9 @@ class ModelWorker(WeightsOut):
                 else:
                     loss, stats, per_token, old = self._policy_loss(batch, reduce, algo, sft)
                     if return_logprobs:
-                        old_rows.append(batch.to_lists(old) if samples else [])
+                        kept.append((batch, old.detach()) if samples else (None, None))
                 loss.backward()
-            tokens = int(batch.loss_mask.sum())
+            tokens = batch.loss_mask.sum()
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
             for key, value in per_token.items():
@@ -417,7 +419,9 @@ class ModelWorker(WeightsOut):
                 "perf/peak_memory_gb": peak_memory_gb(self.on_gpu, self.device),
             }
         )
-        return (metrics, old_rows) if return_logprobs else metrics
+        if not return_logprobs:
+            return metrics
+        return metrics, [[] if batch is None else batch.to_lists(old) for batch, old in kept]
 
     def _policy_loss(
         self,
@@ -470,7 +474,7 @@ class ModelWorker(WeightsOut):
             # entropy's part of every vocabulary slice in the log-prob backward.
             loss = loss - algo.entropy_coef * reduce(entropy, mask, "entropy")
         stats = dict(metrics)
-        stats["loss/entropy"] = masked_mean(entropy.detach(), mask).item()
+        stats["loss/entropy"] = masked_mean(entropy.detach(), mask)
         kl_cfg = algo.kl
         if kl_cfg.loss_coef > 0:
             ref = batch.fields["ref_logprobs"]
@@ -478,8 +482,8 @@ class ModelWorker(WeightsOut):
                 logprobs, logprobs.detach() if ref is None else ref, mask, kl_cfg.estimator
             )
             loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
-            stats["loss/ref_kl"] = masked_mean(kl.detach(), mask).item()  # the loss term's KL
-        return loss, {"loss/policy": policy_loss.item() / self.dp_size}, stats, old
+            stats["loss/ref_kl"] = masked_mean(kl.detach(), mask)  # the loss term's KL
+        return loss, {"loss/policy": policy_loss.detach() / self.dp_size}, stats, old
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
@@ -491,7 +495,7 @@ class ModelWorker(WeightsOut):
         old = values.detach() if old is None else old
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
         loss = reduce(result.per_token, batch.loss_mask, "value")
-        return loss, {"loss/value": loss.item() / self.dp_size}, result.metrics
+        return loss, {"loss/value": loss.detach() / self.dp_size}, result.metrics
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -219,7 +219,7 @@ def pack(
     for name in TOKEN_FIELDS:
         present = [getattr(s, name) is not None for s in samples]
         if all(present):
-            fields_[name] = rows(name).to(device)
+            fields_[name] = _to(rows(name), device)
         elif any(present):
             raise ValueError(f"{name} is set on some samples of a batch but not on others")
         else:
@@ -228,30 +228,36 @@ def pack(
     present = [s.routed_experts is not None for s in samples]
     if all(present):
         arrays = [s.routed_experts for s in samples]
-        routing = microbatch_routing(arrays, width if padded else None).to(device)
+        routing = _to(microbatch_routing(arrays, width if padded else None), device)
     elif any(present):
         raise ValueError("routed_experts is set on some samples of a batch but not on others")
     cu_seqlens = None
     if not padded:  # from the host-side lengths: building it costs the device no sync
-        cu_seqlens = torch.tensor([0, *lengths]).cumsum(0, dtype=torch.int32)
-        if torch.device(device).type == "cuda":
-            cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
+        cu_seqlens = _to(torch.tensor([0, *lengths]).cumsum(0, dtype=torch.int32), device)
     head_ids, head_logprobs = _heads(samples, width)
     return PackedBatch(
-        input_ids=input_ids.to(device),
-        position_ids=position_ids.to(device),
-        row_index=row_index.to(device),
-        valid=valid.to(device),
-        loss_mask=(rows("loss_mask") > 0).to(device) & valid.to(device),
+        input_ids=_to(input_ids, device),
+        position_ids=_to(position_ids, device),
+        row_index=_to(row_index, device),
+        valid=_to(valid, device),
+        loss_mask=_to((rows("loss_mask") > 0) & valid, device),
         temperature=temperatures.pop(),
         lengths=lengths,
         fields=fields_,
         routing=routing,
         cu_seqlens=cu_seqlens,
-        head_ids=None if head_ids is None else head_ids.to(device),
-        head_logprobs=None if head_logprobs is None else head_logprobs.to(device),
-        images={k: v.to(device) for k, v in image_tensors(samples).items()},
+        head_ids=None if head_ids is None else _to(head_ids, device),
+        head_logprobs=None if head_logprobs is None else _to(head_logprobs, device),
+        images={k: _to(v, device) for k, v in image_tensors(samples).items()},
     )
+
+
+def _to(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory, without waiting: a copy from
+    pageable memory would make the host wait for the GPU's queue once per tensor."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def image_tensors(samples: list[Sample]) -> dict[str, Tensor]:

@@ -11,19 +11,21 @@ import torch.distributed as dist
 
 
 def all_reduce_step_metrics(
-    totals: dict[str, float],
-    weighted: dict[str, float],
+    totals: dict[str, torch.Tensor | float],
+    weighted: dict[str, torch.Tensor | float],
     num_tokens: int,
     tp_size: int,
     device: torch.device,
 ) -> dict[str, float]:
     """`totals` summed over ranks; `weighted` (sums of value x tokens) summed, then divided by
-    the window's `num_tokens`: token-weighted means. Every rank must pass the same keys."""
+    the window's `num_tokens`: token-weighted means. Every rank must pass the same keys. The
+    values may be device scalars: they are read here, in one go."""
     keys = sorted(totals), sorted(weighted)
-    values = torch.tensor(
-        [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]],
-        dtype=torch.float64,
-        device=device,
+    entries = [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]]
+    values = (
+        torch.stack([torch.as_tensor(v, device=device).detach().to(torch.float64) for v in entries])
+        if entries
+        else torch.zeros(0, dtype=torch.float64, device=device)
     )
     dist.all_reduce(values)
     values = (values / tp_size).tolist()  # a TP group holds one copy of the data
