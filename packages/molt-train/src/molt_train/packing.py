@@ -254,10 +254,11 @@ def pack(
 
 def _to(tensor: Tensor, device: torch.device | str) -> Tensor:
     """A host tensor on `device`. To a GPU through pinned memory, without waiting: a copy from
-    pageable memory would make the host wait for the GPU's queue once per tensor."""
+    pageable memory would make the host wait for the GPU's queue once per tensor. (Padded
+    rows' position ids are an expanded view, which cannot be pinned as it is.)"""
     if torch.device(device).type != "cuda":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def image_tensors(samples: list[Sample]) -> dict[str, Tensor]:
