@@ -40,8 +40,9 @@ def main() -> None:
     service = RolloutService.start(model, VLLMConfig(dtype="float32"), RouterConfig(),
                                    RefitConfig(), logs, on_gpu=False)  # fmt: skip
     try:
-        runner = RunnerActor("molt_train.quickstart.halves_env", model, service.router.url,
+        runner = RunnerActor("molt_train.quickstart.halves_env", model,
                              RolloutConfig(max_tokens=1), True, 300.0, 3)  # fmt: skip
+        runner.connect(service.router.url)
         data = Path(quickstart_init).parent / "halves_train.jsonl"
         rows = [json.loads(line) for line in data.read_text().splitlines()]
         asyncio.run(profile(runner, rows, args.batches))

@@ -43,7 +43,8 @@ def main() -> None:
     traced(ray, "init", "ray.init")
     traced(loop.RolloutService, "start", "engines and router")
     traced(loop.ModelGroup, "__init__", "model group")
-    traced(loop.RunnerActors, "__init__", "agent runners")
+    traced(loop.RunnerActors, "__init__", "agent runners created")
+    traced(loop.RunnerActors, "connect", "agent runners connect")
     traced(loop.ModelGroup, "init_refit", "refit link")
     traced(loop, "train_on", "a training step")
     extra = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []

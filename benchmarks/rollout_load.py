@@ -103,8 +103,8 @@ def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
     groups = sessions // N_SAMPLES
     config = RolloutConfig(max_tokens=max_tokens, max_len=1024, num_runners=2,
                            groups_per_batch=groups, n_samples_per_prompt=N_SAMPLES)  # fmt: skip
-    runners = RunnerActors(config, __file__, model, service.router.url, True,
-                           request_timeout_s=300, max_retries=3)  # fmt: skip
+    runners = RunnerActors(config, __file__, model, True, request_timeout_s=300,
+                           max_retries=3).connect(service.router.url)  # fmt: skip
     pool = RolloutPool(PromptSource([rows]), runners.launch, config, max_inflight_groups=groups)
     errors: dict[str, int] = defaultdict(int)
     pool.start()

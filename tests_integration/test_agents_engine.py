@@ -27,8 +27,8 @@ ROWS = [
 def make_runners(rollout, tiny_model, agent: str, **runner_kwargs) -> RunnerActors:
     config = RolloutConfig(temperature=1.0, max_tokens=8, max_len=512, num_runners=1,
                            **runner_kwargs)  # fmt: skip
-    return RunnerActors(config, str(AGENTS / agent), tiny_model, rollout.router.url, True,
-                        request_timeout_s=120, max_retries=2)  # fmt: skip
+    return RunnerActors(config, str(AGENTS / agent), tiny_model, True, request_timeout_s=120,
+                        max_retries=2).connect(rollout.router.url)  # fmt: skip
 
 
 def run_batches(runners, rows, batches=1, groups=2, n=2, **pool_kwargs):
@@ -183,5 +183,5 @@ def test_max_staleness_zero_trains_only_current_tokens(rollout, runners_of, tiny
 def test_runners_the_cluster_cannot_place_fail_with_the_flags(ray_cluster, tiny_model):
     cfg = RolloutConfig(num_runners=1, cpus_per_runner=64, startup_timeout_s=3)
     with pytest.raises(RuntimeError, match="--rollout.cpus_per_runner = 64"):
-        RunnerActors(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, "http://127.0.0.1:9",
-                     True, request_timeout_s=10, max_retries=0)  # fmt: skip
+        RunnerActors(cfg, str(AGENTS / "single_turn_env.py"), tiny_model, True,
+                     request_timeout_s=10, max_retries=0).connect("http://127.0.0.1:9")  # fmt: skip

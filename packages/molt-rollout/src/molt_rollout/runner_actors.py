@@ -1,9 +1,11 @@
 """Agent-runner processes: Ray actors that run the n rollouts of a prompt group concurrently.
 
 Each actor imports the researcher's module by path (`load_agent` inside the actor: a module
-loaded from a file does not pickle by reference), builds its own token client (one per event
-loop) and tokenizer, and serves `run_group` on its event loop, so many groups interleave in one
-process. `RunnerActors.launch` is the pool's launcher: it returns a `concurrent.futures.Future`.
+loaded from a file does not pickle by reference) and loads its tokenizer as it is created, so
+that work overlaps the engines' start-up; `connect` then builds its token client (one per event
+loop) against the router. It serves `run_group` on its event loop, so many groups interleave in
+one process. `RunnerActors.launch` is the pool's launcher: it returns a
+`concurrent.futures.Future`.
 """
 
 from __future__ import annotations
@@ -26,28 +28,38 @@ from molt_rollout.pool import GroupResult, PromptTask
 class RunnerActor:
     """The body of one runner actor (plain class, so it is testable without Ray)."""
 
-    def __init__(self, agent: str, model: str, router_url: str, rollout: RolloutConfig,
+    def __init__(self, agent: str, model: str, rollout: RolloutConfig,
                  apply_chat_template: bool, request_timeout_s: float, max_retries: int,
                  eval_rollout: RolloutConfig | None = None,
                  adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
-        """`adapter`: the engines serve each version as a LoRA adapter of that prefix
+        """Everything that needs no engine: the agent module, the tokenizer, an image encoder.
+        `adapter`: the engines serve each version as a LoRA adapter of that prefix
         (TokenClient), for both agent forms: the capture server generates through this client.
         `token`: the run's token (molt_rollout.network)."""
         from transformers import AutoTokenizer
 
         from molt_capture.media import load_image_encoder
 
-        check_reachable(router_url, "an agent runner dialling the router")
-        runner_class = load_agent(agent)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        client = TokenClient(router_url, model, request_timeout_s, max_retries,
-                             top_logprobs=rollout.top_logprobs, adapter=adapter,
-                             token=token)  # fmt: skip
+        self.runner_class = load_agent(agent)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model, self.rollout, self.eval_rollout = model, rollout, eval_rollout
+        self.apply_chat_template = apply_chat_template
+        self.client_args = (request_timeout_s, max_retries, adapter, token)
         # A multimodal model's processor, passed only then: text-only runners are unchanged.
         encoder = load_image_encoder(model)
-        extra = {} if encoder is None else {"image_encoder": encoder}
-        self.runner = runner_class(client, tokenizer, rollout, apply_chat_template, **extra)
+        self.extra = {} if encoder is None else {"image_encoder": encoder}
+
+    def connect(self, router_url: str) -> None:
+        """The token client to the router and the agent runner on it."""
+        check_reachable(router_url, "an agent runner dialling the router")
+        request_timeout_s, max_retries, adapter, token = self.client_args
+        client = TokenClient(router_url, self.model, request_timeout_s, max_retries,
+                             top_logprobs=self.rollout.top_logprobs, adapter=adapter,
+                             token=token)  # fmt: skip
+        self.runner = self.runner_class(client, self.tokenizer, self.rollout,
+                                        self.apply_chat_template, **self.extra)  # fmt: skip
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
+        eval_rollout = self.eval_rollout
         self.eval_runner = (
             self.runner if eval_rollout is None else self.runner.with_sampling(eval_rollout)
         )
@@ -64,31 +76,35 @@ class RunnerActor:
             dropped=[r for r in results if isinstance(r, Dropped)],
         )
 
-    def ready(self) -> bool:
-        return True
-
     def close(self) -> None:
         self.runner.close()  # the eval runner shares its resources
 
 
 class RunnerActors:
-    """The runner actors of a run; `launch` hands groups out round-robin."""
+    """The runner actors of a run; `launch` hands groups out round-robin. Creating them returns
+    at once (they build while the engines start); `connect` waits for them."""
 
-    def __init__(self, cfg: RolloutConfig, agent: str, model: str, router_url: str,
-                 apply_chat_template: bool, request_timeout_s: float, max_retries: int,
+    def __init__(self, cfg: RolloutConfig, agent: str, model: str, apply_chat_template: bool,
+                 request_timeout_s: float, max_retries: int,
                  eval_rollout: RolloutConfig | None = None,
                  adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
         actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
             RunnerActor
         )
-        args = (agent, model, router_url, cfg, apply_chat_template, request_timeout_s,
-                max_retries, eval_rollout, adapter, token)  # fmt: skip
+        args = (agent, model, cfg, apply_chat_template, request_timeout_s, max_retries,
+                eval_rollout, adapter, token)  # fmt: skip
+        self.cfg = cfg
         self.actors = [actor.remote(*args) for _ in range(cfg.num_runners)]
         self._next = itertools.cycle(self.actors)
-        # Surface a bad agent module or model path now, not at the first group; and never wait
-        # forever for actors the cluster has no CPUs to place.
+
+    def connect(self, router_url: str) -> RunnerActors:
+        """Every runner's client to the router; returns self. A bad agent module or model path
+        surfaces here, not at the first group; actors the cluster has no CPUs to place fail
+        after --rollout.startup_timeout_s, naming the flags."""
+        cfg = self.cfg
         try:
-            ray.get([a.ready.remote() for a in self.actors], timeout=cfg.startup_timeout_s)
+            ray.get([a.connect.remote(router_url) for a in self.actors],
+                    timeout=cfg.startup_timeout_s)  # fmt: skip
         except ray.exceptions.GetTimeoutError:
             for a in self.actors:
                 ray.kill(a)
@@ -98,6 +114,7 @@ class RunnerActors:
                 f"--rollout.num_runners x --rollout.cpus_per_runner = "
                 f"{cfg.num_runners * cfg.cpus_per_runner} CPUs free?"
             ) from None
+        return self
 
     def launch(self, task: PromptTask) -> concurrent.futures.Future:
         return next(self._next).run_group.remote(task).future()

@@ -77,7 +77,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     # One node: loopback, no token. Several: each server on its node's address, with a token.
     network = Network.of_cluster()
 
-    # ---- engines and router, the policy actor built meanwhile (both mostly wait on imports) -
+    # ---- engines and router, the policy actor built meanwhile (all mostly wait on imports) -
     # Colocated: one-GPU bundles that the engine and every model's rank i share; in Ray's books
     # the engine takes half of each, the models the other half.
     bundles = gpu_bundles(max(model_ranks(cfg))) if cfg.train.colocate else None
@@ -96,16 +96,19 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     def build_policy() -> ModelGroup:
         return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
 
+    # The agent runners load their module and tokenizer meanwhile too; they dial the router
+    # once it is up.
+    runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, cfg.data.apply_chat_template,
+                           cfg.vllm.request_timeout_s, cfg.vllm.max_retries,
+                           eval_rollout_config(cfg.rollout, cfg.eval),
+                           adapters and adapters.name, network.token)  # fmt: skip
     if bundles is None:
         rollout, policy = start_concurrently(start_rollout, build_policy)
     else:  # one after the other: vLLM sizes its KV cache from the GPU memory it finds free
         rollout, policy = start_rollout(), build_policy()
 
     # ---- generation: agent runners, the streaming pool -------------------------------------
-    runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, rollout.router.url,
-                           cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
-                           cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval),
-                           adapters and adapters.name, network.token)  # fmt: skip
+    runners.connect(rollout.router.url)
     forced = cfg.train.force_on_policy
     pool = RolloutPool(
         source, runners.launch, cfg.rollout,
