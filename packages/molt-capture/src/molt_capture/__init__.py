@@ -1,28 +1,20 @@
 """molt-capture: token-exact OpenAI/Anthropic-compatible capture server for agentic RL."""
 
-from .errors import CaptureError, ParamRejected
-from .render import PARSERS, ChatRenderer, Reply, ToolCall
-from .server import CaptureServer
-from .session import ChatRequest, Generator, Session, SessionConfig, TurnResult
-from .types import PROMPT_VERSION, Generation, Rollout, SamplingParams, Segment, TurnSpan
+from molt_capture.lazy import lazy_exports
 
-__all__ = [
-    "PARSERS",
-    "PROMPT_VERSION",
-    "CaptureError",
-    "CaptureServer",
-    "ChatRenderer",
-    "ChatRequest",
-    "Generation",
-    "Generator",
-    "ParamRejected",
-    "Reply",
-    "Rollout",
-    "SamplingParams",
-    "Segment",
-    "Session",
-    "SessionConfig",
-    "ToolCall",
-    "TurnResult",
-    "TurnSpan",
-]
+_EXPORTS = {
+    "molt_capture.errors": ["CaptureError", "ParamRejected"],
+    "molt_capture.render": ["PARSERS", "ChatRenderer", "Reply", "ToolCall"],
+    "molt_capture.server": ["CaptureServer"],
+    "molt_capture.session": ["ChatRequest", "Generator", "Session", "SessionConfig", "TurnResult"],
+    "molt_capture.types": [
+        "PROMPT_VERSION",
+        "Generation",
+        "Rollout",
+        "SamplingParams",
+        "Segment",
+        "TurnSpan",
+    ],
+}
+# Loaded on first use, so importing one submodule pays for that one alone (molt_capture.lazy).
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

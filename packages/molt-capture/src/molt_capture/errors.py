@@ -1,5 +1,7 @@
 """Errors a client should see as an HTTP status, and the one a generator raises to refuse."""
 
+MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's documented limit for a Messages request; over: 413
+
 
 class CaptureError(Exception):
     """`status` is the HTTP code; `param` names the offending request field when there is one."""

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import anthropic_wire, openai_wire, responses_wire
-from .errors import CaptureError
+from .errors import MAX_REQUEST_BYTES, CaptureError
 from .media import ImageEncoder
 from .render import ChatRenderer
 from .session import Generator, Session, SessionConfig
@@ -35,7 +35,6 @@ from .types import Segment
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's documented limit for a Messages request
 WORKER_THREADS = 32
 
 

@@ -6,56 +6,33 @@ the agent contract with its two runner forms (docs/agents.md), runner actors, th
 prompt-group pool (docs/pool.md), the prompt data path and evaluation (docs/data.md).
 """
 
-from molt_rollout.agent import (
-    ChatAgent,
-    ChatContext,
-    Dropped,
-    Env,
-    EnvState,
-    Result,
-    RolloutDropped,
-)
-from molt_rollout.chat_runner import ChatRunner
-from molt_rollout.config import (
-    RefitConfig,
-    RolloutConfig,
-    RouterConfig,
-    VLLMConfig,
-    validate_rollout_config,
-)
-from molt_rollout.data import DataConfig, PromptSource, load_rows
-from molt_rollout.env_runner import EnvRunner
-from molt_rollout.eval import EvalConfig, eval_metrics, run_eval
-from molt_rollout.loader import AgentLoadError, load_agent
-from molt_rollout.pool import Batch, GroupResult, PromptTask, RolloutPool
+from molt_capture.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AgentLoadError",
-    "Batch",
-    "DataConfig",
-    "EvalConfig",
-    "GroupResult",
-    "PromptSource",
-    "PromptTask",
-    "RolloutPool",
-    "eval_metrics",
-    "load_rows",
-    "run_eval",
-    "ChatAgent",
-    "ChatContext",
-    "ChatRunner",
-    "Dropped",
-    "Env",
-    "EnvRunner",
-    "EnvState",
-    "RefitConfig",
-    "Result",
-    "RolloutDropped",
-    "RouterConfig",
-    "RolloutConfig",
-    "VLLMConfig",
-    "load_agent",
-    "validate_rollout_config",
-]
+_EXPORTS = {
+    "molt_rollout.agent": [
+        "ChatAgent",
+        "ChatContext",
+        "Dropped",
+        "Env",
+        "EnvState",
+        "Result",
+        "RolloutDropped",
+    ],
+    "molt_rollout.chat_runner": ["ChatRunner"],
+    "molt_rollout.config": [
+        "RefitConfig",
+        "RolloutConfig",
+        "RouterConfig",
+        "VLLMConfig",
+        "validate_rollout_config",
+    ],
+    "molt_rollout.data": ["DataConfig", "PromptSource", "load_rows"],
+    "molt_rollout.env_runner": ["EnvRunner"],
+    "molt_rollout.eval": ["EvalConfig", "eval_metrics", "run_eval"],
+    "molt_rollout.loader": ["AgentLoadError", "load_agent"],
+    "molt_rollout.pool": ["Batch", "GroupResult", "PromptTask", "RolloutPool"],
+}
+# Loaded on first use, so importing one submodule pays for that one alone (molt_capture.lazy).
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from molt_capture.server import MAX_REQUEST_BYTES
+from molt_capture.errors import MAX_REQUEST_BYTES
 from molt_rollout.network import LOOPBACK
 from molt_rollout.vllm_compat import native_weight_versions, version_server_args, vllm_version
 

@@ -1,25 +1,20 @@
 """molt-train: the FSDP2 policy actor, the asynchronous RL loop and the molt-train CLI."""
 
-from molt_train.actor_config import (
-    ActorConfig,
-    FSDPConfig,
-    OptimConfig,
-    lr_at,
-    validate_actor_config,
-)
-from molt_train.checkpoint import CheckpointManager
-from molt_train.model_group import ModelGroup
-from molt_train.packing import Sample
+from molt_capture.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ActorConfig",
-    "CheckpointManager",
-    "FSDPConfig",
-    "ModelGroup",
-    "OptimConfig",
-    "Sample",
-    "lr_at",
-    "validate_actor_config",
-]
+_EXPORTS = {
+    "molt_train.actor_config": [
+        "ActorConfig",
+        "FSDPConfig",
+        "OptimConfig",
+        "lr_at",
+        "validate_actor_config",
+    ],
+    "molt_train.checkpoint": ["CheckpointManager"],
+    "molt_train.model_group": ["ModelGroup"],
+    "molt_train.packing": ["Sample"],
+}
+# Loaded on first use, so importing one submodule pays for that one alone (molt_capture.lazy).
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
