@@ -2,6 +2,7 @@
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import re
 import threading
@@ -14,7 +15,8 @@ from safetensors.torch import load_file
 
 from molt_capture.types import SamplingParams
 from molt_rollout.client import GENERATE_PATH, weight_version_number
-from molt_rollout.refit import Refitter
+from molt_rollout.network import free_port
+from molt_rollout.refit import RefitError, Refitter
 from molt_rollout.router import SESSION_HEADER
 
 PROMPT = list(range(10, 74))  # 64 token ids
@@ -195,6 +197,27 @@ def test_a_refit_cut_short_at_its_start_is_released_and_redone(rollout, weights)
     restored = generate(rollout, PROMPT, "cut-short", **greedy)
     assert restored["token_ids"] == original["token_ids"]
     assert [s["version"] for s in restored["weight_versions"]] == [str(start + 2)]
+
+
+def test_an_engine_that_cannot_reach_the_rendezvous_is_named(rollout, weights):
+    # The engines are told a port where nothing listens: what an engine on a node that cannot
+    # reach the trainer's rank 0 sees. The error names the engine, both addresses and the port.
+    old = rollout.refitter
+    old.release()
+    bad = Refitter(rollout.engine_urls, rollout.workers_per_engine,
+                   dataclasses.replace(old.cfg, timeout_s=5), on_gpu=False)  # fmt: skip
+    closed = free_port()
+    told = bad.transport.worker_init_info
+    bad.transport.worker_init_info = lambda offset: {**told(offset), "master_port": closed}
+    with pytest.raises(RefitError, match=rf"engine \d \(127.0.0.1\) did not join .* hosts at "
+                                         rf"127.0.0.1 port {bad.transport.port}"):  # fmt: skip
+        bad.init_transfer()
+    bad.release()
+    # The engines are left as they were: a new group forms and refits.
+    rollout.refitter = Refitter(rollout.engine_urls, rollout.workers_per_engine, old.cfg,
+                                on_gpu=False)  # fmt: skip
+    rollout.refitter.init_transfer()
+    refit_with(rollout, weights)
 
 
 def test_no_prefix_cache_reuse_across_refit(rollout, weights):

@@ -24,8 +24,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -231,11 +233,25 @@ class Refitter(EngineSet):
         ]  # fmt: skip
         connector = threading.Thread(target=self.transport.connect, daemon=True)
         connector.start()
-        for future in futures:
-            future.result(timeout=self.cfg.timeout_s)
+        for i, future in enumerate(futures):
+            try:
+                future.result(timeout=self.cfg.timeout_s)
+            except (RefitError, FutureTimeout) as error:
+                raise RefitError(self._not_joined(i, error)) from None
         connector.join(self.cfg.timeout_s)
         if connector.is_alive():
             raise RefitError(f"weight-transfer rendezvous timed out after {self.cfg.timeout_s} s")
+
+    def _not_joined(self, i: int, error: Exception) -> str:
+        """Why engine i did not join the rendezvous, naming both ends (an engine's node that
+        cannot reach rank 0's port is the usual cause across nodes)."""
+        engine = urlsplit(self.engines[i].url).hostname
+        address = getattr(self.transport, "address", None)  # CUDA IPC has no rendezvous
+        where = f" at {address} port {self.transport.port}" if address else ""
+        return (f"engine {i} ({engine}) did not join the weight-transfer rendezvous that the "
+                f"trainer's rank 0 hosts{where} within --refit.timeout_s "
+                f"({self.cfg.timeout_s:.0f} s): can the engine's node reach that port? "
+                f"{error or type(error).__name__}")  # fmt: skip
 
     def pause(self, mode: str = "keep") -> None:
         self._on_all(lambda e: e.post("/pause", mode=mode))
