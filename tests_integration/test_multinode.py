@@ -1,10 +1,11 @@
 """A run across two Ray nodes on one machine: a head node (the driver's, with the CPUs and the
 `trainer_node` resource) and a second node on 127.0.0.2 (no CPUs, the `engine_node` resource).
-The engine is pinned to the second node, the runners (they need CPUs) and the policy rank to
-the head; a short quickstart run completes, its refits cross nodes, the engine listens on its
-own node's address and refuses calls without the run's token, and nothing is left afterwards.
-Ray records a head started on 127.0.0.1 under the host's own address (it resolves 127.0.0.1 to
-it), so the head's servers (router, refit rendezvous) listen there; the engine on 127.0.0.2."""
+The engine is pinned to the second node, the policy rank to the head (the runners always run
+on the driver's node); a short quickstart run completes, its refits cross nodes, the engine
+listens on its own node's address and refuses calls without the run's token, the router (which
+checks no token) listens on loopback only, and nothing is left afterwards. Ray records a head
+started on 127.0.0.1 under the host's own address (it resolves 127.0.0.1 to it), so the refit
+rendezvous listens there; the engine on 127.0.0.2."""
 
 import contextlib
 import json
@@ -48,6 +49,17 @@ def engine_address(log: Path, process: subprocess.Popen) -> tuple[str, int]:
     return re.search(r"--host (\S+)", line)[1], int(re.search(r"--port (\d+)", line)[1])
 
 
+def router_addresses() -> set[str]:
+    """The addresses the run's vllm-router listens on (its HTTP and metrics ports)."""
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(part.endswith("vllm-router") for part in p.info["cmdline"] or []):
+                found |= {c.laddr.ip for c in p.net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    return found
+
+
 def servers_on(port: int) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -81,6 +93,7 @@ def test_a_run_across_two_nodes(tmp_path):
                 assert httpx.get(f"{url}/health", timeout=10).status_code == 200
                 for path in ("/pause", "/inference/v1/generate"):  # control and inference
                     assert httpx.post(f"{url}{path}", timeout=10).status_code == 401
+                assert router_addresses() == {"127.0.0.1"}
             driver.wait(timeout=600)
         finally:
             with contextlib.suppress(ProcessLookupError):

@@ -1,8 +1,9 @@
 """Where a run's servers listen and how they are dialled: the one owner of both.
 
 A run on one node keeps everything on loopback (127.0.0.1) and sends no token. A run on a
-cluster of several nodes has every server (engines, router) listen on the address Ray gives
-its own node and be dialled there, and every such server requires the run's token as
+cluster of several nodes has every engine listen on the address Ray gives its own node and be
+dialled there (the router, which checks no token, stays on the driver's loopback beside the
+agent runners: molt_rollout.router), and every such server requires the run's token as
 `Authorization: Bearer <token>`: one random token per run (or `MOLT_API_TOKEN`), made by the
 driver in `Network.of_cluster` and handed to the actors that start or dial servers. The refit
 rendezvous (a torch TCPStore, or NCCL's) likewise uses the address of the rank hosting it.

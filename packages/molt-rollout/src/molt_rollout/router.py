@@ -1,8 +1,10 @@
 """The router: vllm-router as its own process in front of the engines.
 
-Inference traffic only (refit talks to each engine directly). It listens on the driver's node
-address (molt_rollout.network); the engines get the run's token from the client's own header,
-which it passes on, and from `--api-key` on the requests it makes itself. The default policy,
+Inference traffic only (refit talks to each engine directly). It listens on loopback on the
+driver's node, where its only clients, the agent runners, are placed (RunnerActors): vllm-router
+0.1.17 checks no token, so across nodes it must not be reachable from other nodes. The engines
+get the run's token from the client's own header, which it passes on, and from `--api-key` on
+the requests it makes itself. The default policy,
 sticky least-loaded on the `x-session-id` header, keeps every request of one rollout on the
 engine that holds its prefix cache and places new sessions on the least-loaded engine.
 """
@@ -40,11 +42,10 @@ class Router:
             raise EngineError("vllm-router is not installed (pip install vllm-router)")
         for i, url in enumerate(self.engine_urls):  # a clear error, not a router that waits
             check_reachable(url, f"the router (this node) dialling engine {i}")
-        host = self.network.host()
-        port = free_port(host)
-        self.url = f"http://{host}:{port}"
+        port = free_port(LOOPBACK)
+        self.url = f"http://{LOOPBACK}:{port}"
         command = [
-            executable, "--host", host, "--port", str(port),
+            executable, "--host", LOOPBACK, "--port", str(port),
             "--policy", self.cfg.policy,
             "--worker-urls", *self.engine_urls,
             # Its metrics exporter defaults to a fixed port (29000): two routers on one host

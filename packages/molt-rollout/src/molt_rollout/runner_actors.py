@@ -16,6 +16,7 @@ import contextlib
 import itertools
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from molt_rollout.agent import Dropped
 from molt_rollout.client import TokenClient
@@ -88,9 +89,13 @@ class RunnerActors:
                  request_timeout_s: float, max_retries: int,
                  eval_rollout: RolloutConfig | None = None,
                  adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
-        actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups)(
-            RunnerActor
+        # On the driver's node, the router's: it listens on loopback there, so across nodes no
+        # port without a token is open (vllm-router 0.1.17 checks none; molt_rollout.router).
+        driver_node = NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
         )
+        actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups,
+                           scheduling_strategy=driver_node)(RunnerActor)  # fmt: skip
         args = (agent, model, cfg, apply_chat_template, request_timeout_s, max_retries,
                 eval_rollout, adapter, token)  # fmt: skip
         self.cfg = cfg
@@ -110,7 +115,7 @@ class RunnerActors:
                 ray.kill(a)
             raise RuntimeError(
                 f"{cfg.num_runners} agent-runner actors did not start within "
-                f"{cfg.startup_timeout_s} s: does the Ray cluster have "
+                f"{cfg.startup_timeout_s} s: does the driver's Ray node have "
                 f"--rollout.num_runners x --rollout.cpus_per_runner = "
                 f"{cfg.num_runners * cfg.cpus_per_runner} CPUs free?"
             ) from None
