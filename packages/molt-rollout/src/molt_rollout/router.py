@@ -4,9 +4,9 @@ Inference traffic only (refit talks to each engine directly). It listens on loop
 driver's node, where its only clients, the agent runners, are placed (RunnerActors): vllm-router
 0.1.17 checks no token, so across nodes it must not be reachable from other nodes. The engines
 get the run's token from the client's own header, which it passes on, and from `--api-key` on
-the requests it makes itself. The default policy,
-sticky least-loaded on the `x-session-id` header, keeps every request of one rollout on the
-engine that holds its prefix cache and places new sessions on the least-loaded engine.
+the requests it makes itself. The default policy, sticky least-loaded on the `x-session-id`
+header, keeps every request of one rollout on the engine that holds its prefix cache and places
+new sessions on the least-loaded engine.
 """
 
 import shutil
