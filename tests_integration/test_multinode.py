@@ -1,11 +1,10 @@
 """A run across two Ray nodes on one machine: a head node (the driver's, with the CPUs and the
-`trainer_node` resource) and a second node on 127.0.0.2 (no CPUs, the `engine_node` resource).
-The engine is pinned to the second node, the policy rank to the head (the runners always run
-on the driver's node); a short quickstart run completes, its refits cross nodes, the engine
-listens on its own node's address and refuses calls without the run's token, the router (which
-checks no token) listens on loopback only, and nothing is left afterwards. Ray records a head
-started on 127.0.0.1 under the host's own address (it resolves 127.0.0.1 to it), so the refit
-rendezvous listens there; the engine on 127.0.0.2."""
+`trainer_node` resource) on 127.0.0.3 and a second node on 127.0.0.2 (no CPUs, the
+`engine_node` resource). The engine is pinned to the second node, the policy rank to the head
+(the runners always run on the driver's node); a short quickstart run completes, its refits
+cross nodes, the engine listens on its own node's address and refuses calls without the run's
+token, the router (which checks no token) listens on loopback only, and nothing is left
+afterwards. Only loopback-range addresses are used."""
 
 import contextlib
 import json
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_ray_bootstrap import cluster, env
+from test_ray_bootstrap import HEAD, WORKER, cluster, env
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +49,15 @@ def engine_address(log: Path, process: subprocess.Popen) -> tuple[str, int]:
 
 
 def router_addresses() -> set[str]:
-    """The addresses the run's vllm-router listens on (its HTTP and metrics ports)."""
+    """The addresses the run's vllm-router (and any process under it) listens on."""
     found = set()
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["name"]):
         with contextlib.suppress(psutil.Error):
-            if any(part.endswith("vllm-router") for part in p.info["cmdline"] or []):
-                found |= {c.laddr.ip for c in p.net_connections("tcp")
-                          if c.status == psutil.CONN_LISTEN}  # fmt: skip
+            if p.info["name"] == "vllm::router":  # the process title it sets itself
+                for q in [p, *p.children(recursive=True)]:
+                    found |= {c.laddr.ip for c in q.net_connections("tcp")
+                              if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    assert found, "no vllm-router process listening"
     return found
 
 
@@ -70,7 +71,8 @@ def servers_on(port: int) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.skipif(not bindable("127.0.0.2"), reason="127.0.0.2 is not bindable here")
+@pytest.mark.skipif(not (bindable(HEAD) and bindable(WORKER)),
+                    reason=f"{HEAD} or {WORKER} is not bindable here")  # fmt: skip
 def test_a_run_across_two_nodes(tmp_path):
     run = tmp_path / "multinode"
     with two_nodes() as address:
@@ -85,7 +87,7 @@ def test_a_run_across_two_nodes(tmp_path):
             driver = subprocess.Popen(cmd, env=env(), stdout=out, stderr=err)
         try:
             host, port = engine_address(run / "logs" / "engine_0.log", driver)
-            assert host == "127.0.0.2"  # its own node's address, from Ray
+            assert host == WORKER  # its own node's address, from Ray
             while driver.poll() is None and not (run / "metrics.jsonl").exists():
                 time.sleep(0.5)  # the engine serves: a step has been generated
             if driver.poll() is None:

@@ -1,6 +1,8 @@
-"""recipes/ray_cluster.sh, the Slurm recipe's bootstrap: a head on 127.0.0.1 and a worker node
+"""recipes/ray_cluster.sh, the Slurm recipe's bootstrap: a head on 127.0.0.3 and a worker node
 on 127.0.0.2 (two raylets on one machine, as two hosts would run them) form one cluster that a
-driver joins; ending the two node processes ends the nodes."""
+driver joins; ending the two node processes ends the nodes. Not 127.0.0.1 for the head: Ray
+replaces that one address with the host's own (`resolve_ip_for_localhost`), which would put the
+head's servers outside the loopback range."""
 
 import contextlib
 import json
@@ -16,6 +18,7 @@ import pytest
 from molt_rollout.network import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "ray_cluster.sh"
+HEAD, WORKER = "127.0.0.3", "127.0.0.2"
 pytestmark = pytest.mark.slow
 
 
@@ -31,17 +34,17 @@ def node(*args: str) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def cluster(head: list[str], worker: list[str]):
-    """A head on 127.0.0.1 and a worker node on 127.0.0.2, started by the recipe's script with
+    """A head on HEAD and a worker node on WORKER, started by the recipe's script with
     these `ray start` options; yields the address. After: both nodes (and so every actor and
     engine on them) ended, Ray's address file naming them gone, and no GCS of theirs left."""
     port = str(free_port())
-    nodes = [node("head", "127.0.0.1", port, *head)]
+    nodes = [node("head", HEAD, port, *head)]
     try:
-        nodes.append(node("worker", "127.0.0.1", port, "127.0.0.2", *worker))
-        ready = subprocess.run(["bash", str(SCRIPT), "wait", "127.0.0.1", port, "2", "180"],
+        nodes.append(node("worker", HEAD, port, WORKER, *worker))
+        ready = subprocess.run(["bash", str(SCRIPT), "wait", HEAD, port, "2", "180"],
                                env=env(), capture_output=True, text=True, timeout=240)  # fmt: skip
         assert ready.returncode == 0, ready.stdout + ready.stderr
-        yield f"127.0.0.1:{port}"
+        yield f"{HEAD}:{port}"
     finally:
         for process in reversed(nodes):
             os.killpg(process.pid, signal.SIGTERM)
@@ -67,7 +70,5 @@ def test_head_and_worker_form_one_cluster():
         )
         out = subprocess.run([sys.executable, "-c", probe, address], env=env(),
                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        # The worker is the node on 127.0.0.2; Ray may record the head under the host's own
-        # address rather than 127.0.0.1.
         addresses = json.loads(out.stdout.strip().splitlines()[-1])
-        assert len(addresses) == 2 and "127.0.0.2" in addresses, out.stderr
+        assert addresses == sorted([HEAD, WORKER]), out.stderr
