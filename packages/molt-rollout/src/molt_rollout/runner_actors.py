@@ -104,18 +104,20 @@ class RunnerActors:
 
     def connect(self, router_url: str) -> RunnerActors:
         """Every runner's client to the router; returns self. A bad agent module or model path
-        surfaces here, not at the first group; actors the cluster has no CPUs to place fail
-        after --rollout.startup_timeout_s, naming the flags."""
+        surfaces here, not at the first group. Actors the driver's node cannot place fail
+        naming the flags: at once when it has too few CPUs in all, else after
+        --rollout.startup_timeout_s."""
         cfg = self.cfg
         try:
             ray.get([a.connect.remote(router_url) for a in self.actors],
                     timeout=cfg.startup_timeout_s)  # fmt: skip
-        except ray.exceptions.GetTimeoutError:
+        # Unschedulable: the driver's node has fewer CPUs in all than they ask for.
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnschedulableError):
             for a in self.actors:
                 ray.kill(a)
             raise RuntimeError(
-                f"{cfg.num_runners} agent-runner actors did not start within "
-                f"{cfg.startup_timeout_s} s: does the driver's Ray node have "
+                f"{cfg.num_runners} agent-runner actors could not be placed or did not start "
+                f"within {cfg.startup_timeout_s} s: does the driver's Ray node have "
                 f"--rollout.num_runners x --rollout.cpus_per_runner = "
                 f"{cfg.num_runners * cfg.cpus_per_runner} CPUs free?"
             ) from None
