@@ -151,6 +151,7 @@ class IpcTransport:
     (VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by engine.py for this backend)."""
 
     backend = "ipc"
+    address = port = None  # no rendezvous: the handles travel in the HTTP calls
 
     def __init__(self) -> None:
         self.held: list[torch.Tensor] = []  # alive until every engine has loaded the bucket
@@ -246,8 +247,8 @@ class Refitter(EngineSet):
         """Why engine i did not join the rendezvous, naming both ends (an engine's node that
         cannot reach rank 0's port is the usual cause across nodes)."""
         engine = urlsplit(self.engines[i].url).hostname
-        address = getattr(self.transport, "address", None)  # CUDA IPC has no rendezvous
-        where = f" at {address} port {self.transport.port}" if address else ""
+        address, port = self.transport.address, self.transport.port
+        where = f" at {address} port {port}" if address else ""
         return (f"engine {i} ({engine}) did not join the weight-transfer rendezvous that the "
                 f"trainer's rank 0 hosts{where} within --refit.timeout_s "
                 f"({self.cfg.timeout_s:.0f} s): can the engine's node reach that port? "
