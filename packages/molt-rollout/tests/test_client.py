@@ -205,6 +205,13 @@ def test_request_carries_session_salt_and_sampling_params(engine):
     assert sp["stop"] == ["</s>", "\n\n"]
     assert sp["logprobs"] == 0  # the sampled token's log-prob, no alternatives
     assert sp["skip_special_tokens"] is False
+    assert sp["flat_logprobs"] is True
+    assert sp["detokenize"] is True  # stop strings are matched on text
+
+
+def test_a_request_without_stop_strings_is_not_detokenized(engine):
+    generate(make_client(engine.url), params=SamplingParams(max_tokens=2))
+    assert engine.calls[1].body["sampling_params"]["detokenize"] is False
 
 
 def test_every_request_carries_the_runs_token(engine):

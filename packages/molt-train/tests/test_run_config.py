@@ -72,7 +72,7 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
           "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
         (["--data.train_files"], ["--data.train_files"]),
-        (["--refit.backend", "ipc"], ["--refit.backend ipc", "--train.colocate"]),
+        (["--refit.backend", "molt_ipc"], ["--refit.backend molt_ipc", "--train.colocate"]),
         (["--vllm.enable_sleep_mode"], ["--vllm.enable_sleep_mode", "--train.colocate"]),
         (["--train.colocate", "--refit.backend", "nccl"], ["--train.colocate", "--refit.backend"]),
         (["--train.colocate", "--vllm.enable_sleep_mode"],

@@ -69,15 +69,23 @@ def iter_buckets(
         yield meta, tensors
 
 
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat uint8 buffer holding the tensors' bytes at their aligned offsets."""
+def packed_size(tensors: list[torch.Tensor]) -> int:
+    """Bytes `pack` needs for these tensors."""
+    return _total(_layout([t.numel() * t.element_size() for t in tensors]))
+
+
+def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One flat uint8 buffer holding the tensors' bytes at their aligned offsets: a new one, or
+    the head of `out` (a uint8 buffer of at least `packed_size` bytes, reused across buckets)."""
     layout = _layout([t.numel() * t.element_size() for t in tensors])
-    buffer = torch.zeros(_total(layout), dtype=torch.uint8, device=tensors[0].device)
-    for (offset, nbytes), tensor in zip(layout, tensors, strict=True):
-        buffer[offset : offset + nbytes] = (
-            tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        )
-    return buffer
+    if out is None:
+        out = torch.zeros(_total(layout), dtype=torch.uint8, device=tensors[0].device)
+    elif out.numel() < _total(layout):
+        raise ValueError(f"{_total(layout)} bytes do not fit a buffer of {out.numel()}")
+    views = [out[offset : offset + nbytes] for offset, nbytes in layout]
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    torch._foreach_copy_(views, flat)  # one launch for the bucket, not one per tensor
+    return out[: _total(layout)]
 
 
 def unpack(buffer: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:

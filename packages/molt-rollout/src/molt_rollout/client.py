@@ -244,6 +244,9 @@ class TokenClient:
                 "top_p": params.top_p,
                 "stop": list(params.stop),
                 "logprobs": self.top_logprobs,  # 0: the sampled token's own log-prob alone
+                "flat_logprobs": True,  # arrays in the engine's output path, not a dict a token
+                # No text: Molt reads ids. Stop strings need it (vLLM matches them on text).
+                "detokenize": bool(params.stop),
                 "skip_special_tokens": False,
                 # Routed experts (when the engine returns them) only past what the caller has.
                 "routed_experts_prompt_start": params.routing_start,

@@ -100,9 +100,9 @@ class RouterConfig:
 class RefitConfig:
     """Weights from the trainer into the engines (`--refit.*`)."""
 
-    # auto: ipc to an engine on the trainer's GPU (--train.colocate), nccl to engines on other
-    # GPUs, molt_gloo on CPU
-    backend: Literal["auto", "ipc", "nccl", "molt_gloo"] = "auto"
+    # auto: molt_ipc to an engine on the trainer's GPU (--train.colocate), nccl to engines on
+    # other GPUs, molt_gloo on CPU
+    backend: Literal["auto", "molt_ipc", "nccl", "molt_gloo"] = "auto"
     bucket_mb: int = 512  # tensors per transfer call, by size
     timeout_s: float = 300.0  # every control-plane call and collective
     report_unupdated: bool = False  # checksum engine weights around a refit; report unchanged

@@ -2,13 +2,11 @@
 
 vLLM's own transports (NCCL, CUDA IPC) need a GPU. This backend mirrors the NCCL one over a
 gloo process group, so the same refit orchestration (init once; per refit start, update per
-bucket, finish) runs on CPU engines in CI. It is registered, never patched in: the
-`vllm.general_plugins` entry point `molt_cpu_weight_transfer` calls `register()` in every vLLM
-process, and an engine started with `--weight-transfer-config '{"backend": "molt_gloo"}'`
+bucket, finish) runs on CPU engines in CI. It is registered by Molt's vLLM plugin
+(vllm_plugin.py), and an engine started with `--weight-transfer-config '{"backend": "molt_gloo"}'`
 creates it. The trainer side is `molt_rollout.refit.GlooTransport`.
 """
 
-import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,11 +93,3 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def shutdown(self) -> None:
         self.group = None
-
-
-def register() -> None:
-    """vLLM general-plugin hook; runs once per vLLM process (possibly more: stay idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

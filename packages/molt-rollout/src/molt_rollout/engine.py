@@ -64,8 +64,6 @@ class EngineServer:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
         if self.network.token:  # in the environment: a command line is readable by anyone
             env[TOKEN_ENV] = self.network.token
-        if self.transfer_backend == "ipc":  # CUDA-IPC handles arrive pickled over HTTP
-            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
             # The model runs in the engine-core process (vLLM's one-process executor): as a

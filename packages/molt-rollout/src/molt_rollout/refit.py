@@ -13,13 +13,11 @@ raises `RefitError`.
 
 Transports (the wire under `update_weights`): `GlooTransport`, Molt's CPU backend (see
 cpu_transport.py); `NcclTransport`, vLLM's NCCL backend, for engines on other GPUs; and
-`IpcTransport`, vLLM's CUDA-IPC backend, for engines sharing the trainer's GPU
-(`--train.colocate`). All ship buckets of about `--refit.bucket_mb`, never one call per tensor.
+`IpcTransport`, Molt's CUDA-IPC backend (ipc_transport.py), for an engine sharing the trainer's
+GPU (`--train.colocate`). All ship buckets of about `--refit.bucket_mb`, never one call per tensor.
 """
 
-import base64
 import contextlib
-import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +31,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack
+from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size
 from molt_rollout.config import RefitConfig
 from molt_rollout.network import SINGLE_NODE, Network, check_reachable, free_port
 from molt_rollout.vllm_compat import nccl_packed_fields
@@ -145,16 +143,19 @@ class NcclTransport:
 
 
 class IpcTransport:
-    """Trainer side of vLLM's CUDA-IPC backend, for engines on the trainer's own GPU: each
-    bucket's tensors are shared by handle in the `update_weights` call itself (no copy on
-    either side, no process group). The engine must allow pickled handles
-    (VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by engine.py for this backend)."""
+    """Trainer side of Molt's CUDA-IPC backend (ipc_transport.py), for an engine on the
+    trainer's own GPU: each bucket is copied into one staging buffer, shared with the engine
+    once, and named in the `update_weights` call itself (no process group, no rendezvous).
+    The buffer holds the largest bucket (`--refit.bucket_mb`, or a larger tensor alone) and
+    stays allocated for the run."""
 
-    backend = "ipc"
-    address = port = None  # no rendezvous: the handles travel in the HTTP calls
+    backend = "molt_ipc"
+    address = port = None  # no rendezvous: the buffer's handle travels in the HTTP calls
 
-    def __init__(self) -> None:
-        self.held: list[torch.Tensor] = []  # alive until every engine has loaded the bucket
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.staging: torch.Tensor | None = None
+        self.shared: dict = {}  # ipc_transport.share(self.staging), made once per buffer
 
     def worker_init_info(self, rank_offset: int) -> dict:
         return {}
@@ -163,21 +164,24 @@ class IpcTransport:
         pass
 
     def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
-        from torch.multiprocessing.reductions import reduce_tensor
+        from molt_rollout.ipc_transport import share
 
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        self.held = [t.detach().contiguous() for t in tensors]
-        torch.cuda.current_stream().synchronize()  # the engine reads them from its own stream
-        handles = [{uuid: reduce_tensor(t)[1]} for t in self.held]
-        return {"packed": False,
-                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}  # fmt: skip
+        needed = packed_size(tensors)
+        if self.staging is None or self.staging.numel() < needed:
+            self.staging = None
+            torch.cuda.ipc_collect()  # the engine let go of the old buffer when it mapped it
+            size = max(needed, self.bucket_bytes)
+            self.staging = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
+            self.shared = share(self.staging)
+        pack(tensors, out=self.staging)
+        torch.cuda.current_stream().synchronize()  # the engine reads it from its own stream
+        return {"buffer": self.shared}
 
     def send(self, tensors: list[torch.Tensor]) -> None:
-        pass  # the handles travelled in the update call
+        pass  # the engine copied the bucket out before it answered the update call
 
     def sent(self) -> None:
-        self.held = []
-        torch.cuda.ipc_collect()
+        pass
 
 
 class EngineSet:
@@ -214,8 +218,8 @@ class Refitter(EngineSet):
         self.workers_per_engine = workers_per_engine
         world_size = 1 + workers_per_engine * len(engine_urls)
         backend = transfer_backend(cfg, on_gpu, colocated)
-        if backend == "ipc":
-            self.transport = IpcTransport()
+        if backend == IpcTransport.backend:
+            self.transport = IpcTransport(cfg.bucket_mb << 20)
         elif backend == "nccl":
             self.transport = NcclTransport(
                 world_size, cfg.timeout_s, cfg.bucket_mb << 20, network.host()

@@ -364,8 +364,8 @@ def validate_colocation(cfg: RunConfig) -> None:
     """--train.colocate: one engine on the GPU of the trainer's rank 0, refit over CUDA IPC."""
     vllm, backend = cfg.vllm, cfg.refit.backend
     if not cfg.train.colocate:
-        if backend == "ipc":
-            raise ValueError("--refit.backend ipc shares the trainer's GPU memory with an engine "
+        if backend == "molt_ipc":
+            raise ValueError("--refit.backend molt_ipc shares the trainer's GPU memory with an engine "
                              "on the same GPU: add --train.colocate")  # fmt: skip
         if vllm.enable_sleep_mode:
             raise ValueError("--vllm.enable_sleep_mode frees the engine's GPU memory for a "
@@ -380,9 +380,9 @@ def validate_colocation(cfg: RunConfig) -> None:
     if vllm.ray_resources or cfg.actor.ray_resources:
         raise ValueError("--train.colocate places engine and trainer in shared GPU bundles; "
                          "--vllm.ray_resources and --actor.ray_resources do not apply")  # fmt: skip
-    if backend not in ("auto", "ipc"):
+    if backend not in ("auto", "molt_ipc"):
         raise ValueError(f"--train.colocate with --refit.backend {backend}: the engine shares "
-                         "the trainer's GPU, so weights go over CUDA IPC; use auto or ipc")  # fmt: skip
+                         "the trainer's GPU, so weights go over CUDA IPC; use auto or molt_ipc")  # fmt: skip
     if vllm.num_engines != 1 or vllm.tensor_parallel_size * vllm.data_parallel_size != 1:
         raise ValueError(
             "--train.colocate runs one engine on one GPU beside the trainer's rank 0 (CUDA-IPC "
