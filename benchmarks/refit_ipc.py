@@ -9,7 +9,9 @@ the checkpoint on the same GPU in bf16. Each round refits with every variant in 
 the same `Refitter` (pause, start, buckets, finish, resume):
   vllm      vLLM 0.26's IPC message: a fresh handle per tensor, pickled into the HTTP call (what
             Molt sent before), `--buckets-mb` per call;
-  molt      Molt's (ipc_transport.py): each bucket copied into one staging buffer shared once.
+  molt      Molt's (ipc_transport.py): each bucket copied into one staging buffer shared once,
+            loaded in place where the model allows it (a dense unquantized one does), else by
+            vLLM's layerwise reload as the vllm variant always is.
 Each variant refits twice in a row per round and the second is timed (the engine keeps one
 staging buffer mapped, as in a run). It prints each variant's median phases over the rounds
 after the first and the ratio of pause->resume times, then checks that every variant leaves

@@ -74,6 +74,15 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self.handle: str | None = None
         self.staging: torch.Tensor | None = None
+        self.reloading: bool | None = None  # this update's load path, set by its first bucket
+
+    def start_weight_update(self) -> None:
+        self.reloading = None  # decided by the first bucket: see receive_weights
+
+    def finish_weight_update(self) -> None:
+        if self.reloading:
+            super().finish_weight_update()
+        self.reloading = None
 
     def parse_update_info(self, update_dict: dict):
         if "buffer" not in update_dict:
@@ -84,17 +93,36 @@ class BufferIpcEngine(IPCWeightTransferEngine):
             raise ValueError(f"Invalid update_info for {BACKEND}: {error}") from error
 
     def receive_weights(self, update_info) -> None:
-        if not isinstance(update_info, BufferUpdateInfo):
+        ours = isinstance(update_info, BufferUpdateInfo)
+        if self.reloading is None:
+            # vLLM's layerwise reload rebuilds each layer and reruns its post-load processing;
+            # a model with none to rerun takes the weights in place, as a copy into each
+            # parameter (0.11 of a 0.16 s refit of 4 GB went to the rebuild, on an H200).
+            self.reloading = not (ours and loads_in_place(self.model, self.vllm_config))
+            if self.reloading:
+                super().start_weight_update()
+        if not ours:  # vLLM's own per-tensor handles
             return super().receive_weights(update_info)
         fields = update_info.buffer
         if fields["handle"] != self.handle:  # the first bucket, or the trainer grew its buffer
             self.staging = open_shared(fields, self.device.index)
             self.handle = fields["handle"]
-        # A copy: the layerwise reload holds a layer's tensors until the layer is complete,
-        # which may be after the trainer has refilled the buffer with the next bucket.
-        bucket = self.staging[: update_info.numbytes()].clone()
+        bucket = self.staging[: update_info.numbytes()]
+        if self.reloading:  # it holds a layer's tensors until the layer is complete, maybe
+            bucket = bucket.clone()  # after the trainer has refilled the buffer
         self.model.load_weights(unpack(bucket, update_info))
         # The base class's update_weights then synchronizes: the trainer refills after the reply.
 
     def shutdown(self) -> None:
         self.handle = self.staging = None
+
+
+def loads_in_place(model: torch.nn.Module, vllm_config) -> bool:
+    """Whether new weights may be copied straight into the model's parameters: nothing is
+    computed from them after loading (no quantization, no fp8 KV-cache scales, no fused-MoE
+    weight layouts, no MLA weight absorption). Otherwise vLLM's layerwise reload."""
+    if vllm_config.model_config.quantization or vllm_config.cache_config.cache_dtype != "auto":
+        return False
+    # By class name along each module's bases: where the classes live differs between versions.
+    processed = {"FusedMoE", "MLAAttention"}
+    return not any(c.__name__ in processed for m in model.modules() for c in type(m).__mro__)
