@@ -146,14 +146,13 @@ class IpcTransport:
     """Trainer side of Molt's CUDA-IPC backend (ipc_transport.py), for an engine on the
     trainer's own GPU: each bucket is copied into one staging buffer, shared with the engine
     once, and named in the `update_weights` call itself (no process group, no rendezvous).
-    The buffer holds the largest bucket (`--refit.bucket_mb`, or a larger tensor alone) and
-    stays allocated for the run."""
+    The buffer grows to the largest bucket (`--refit.bucket_mb`, or a larger tensor alone)
+    during the first refit and stays allocated for the run."""
 
     backend = "molt_ipc"
     address = port = None  # no rendezvous: the buffer's handle travels in the HTTP calls
 
-    def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
+    def __init__(self) -> None:
         self.staging: torch.Tensor | None = None
         self.shared: dict = {}  # ipc_transport.share(self.staging), made once per buffer
 
@@ -169,16 +168,15 @@ class IpcTransport:
         needed = packed_size(tensors)
         if self.staging is None or self.staging.numel() < needed:
             self.staging = None
-            torch.cuda.ipc_collect()  # the engine let go of the old buffer when it mapped it
-            size = max(needed, self.bucket_bytes)
-            self.staging = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
+            torch.cuda.ipc_collect()  # frees buffers the engine let go of (at its next map)
+            self.staging = torch.empty(needed, dtype=torch.uint8, device=tensors[0].device)
             self.shared = share(self.staging)
         pack(tensors, out=self.staging)
         torch.cuda.current_stream().synchronize()  # the engine reads it from its own stream
         return {"buffer": self.shared}
 
     def send(self, tensors: list[torch.Tensor]) -> None:
-        pass  # the engine copied the bucket out before it answered the update call
+        pass  # the engine loaded (or copied) the bucket before it answered the update call
 
     def sent(self) -> None:
         pass
@@ -219,7 +217,7 @@ class Refitter(EngineSet):
         world_size = 1 + workers_per_engine * len(engine_urls)
         backend = transfer_backend(cfg, on_gpu, colocated)
         if backend == IpcTransport.backend:
-            self.transport = IpcTransport(cfg.bucket_mb << 20)
+            self.transport = IpcTransport()
         elif backend == "nccl":
             self.transport = NcclTransport(
                 world_size, cfg.timeout_s, cfg.bucket_mb << 20, network.host()
