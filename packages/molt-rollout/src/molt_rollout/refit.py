@@ -176,7 +176,7 @@ class IpcTransport:
         return {"buffer": self.shared}
 
     def send(self, tensors: list[torch.Tensor]) -> None:
-        pass  # the engine loaded (or copied) the bucket before it answered the update call
+        pass  # the update call carries the buffer; the next bucket refills it after the reply
 
     def sent(self) -> None:
         pass
