@@ -1,5 +1,6 @@
-"""One vLLM CUDA engine and a trainer process on one GPU (`--train.colocate`): weights move by
-CUDA-IPC handle (molt_rollout.refit.IpcTransport), versions label tokens on every vLLM."""
+"""One vLLM CUDA engine and a trainer process on one GPU (`--train.colocate`): weights move
+through a staging buffer shared by CUDA-IPC handle (molt_ipc: molt_rollout.refit.IpcTransport,
+molt_rollout.ipc_transport), versions label tokens on every vLLM."""
 
 import asyncio
 
