@@ -66,3 +66,85 @@ def test_buckets_packed_into_one_reused_buffer_unpack_exactly():
             assert got.dtype == want.dtype and torch.equal(got, want), name
     with pytest.raises(ValueError, match="do not fit"):
         pack([torch.zeros(2000)], out=staging)
+
+
+class Model(torch.nn.Module):
+    """Records what the engine loads (vLLM's models take `load_weights(iterable)`)."""
+
+    def __init__(self, *layers: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights) -> None:
+        self.loaded += list(weights)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """The engine side on CPU: the trainer's buffer 'mapped' from a dict of host tensors, and
+    vLLM's own IPC engine's methods recorded instead of run (they need CUDA and a real model)."""
+    calls: list[str] = []
+    buffers: dict[str, torch.Tensor] = {}
+    monkeypatch.setattr(
+        ipc_transport, "open_shared", lambda fields, device: buffers[fields["handle"]]
+    )
+    parent = ipc_transport.IPCWeightTransferEngine
+    for name in ("start_weight_update", "finish_weight_update", "receive_weights"):
+        monkeypatch.setattr(parent, name, lambda self, *a, name=name: calls.append(name))
+
+    def make(model: Model):
+        config = SimpleNamespace(parallel_config=None, **vars(vllm_config()))
+        return ipc_transport.BufferIpcEngine(None, config, torch.device("cpu"), model)
+
+    return make, calls, buffers
+
+
+def update(tensors: dict[str, torch.Tensor], buffers: dict, handle: str) -> dict:
+    """What the trainer sends: the bucket packed into its buffer, named by handle."""
+    (meta, bucket), = iter_buckets(iter(tensors.items()), bucket_bytes=1 << 20)  # fmt: skip
+    buffers.setdefault(handle, torch.zeros(4096, dtype=torch.uint8))
+    pack(bucket, out=buffers[handle])
+    return {**vars(meta), "buffer": {"handle": handle}}
+
+
+def test_a_dense_model_loads_views_of_the_buffer_without_the_layerwise_reload(engine):
+    make, calls, buffers = engine
+    model = Model(torch.nn.Linear(2, 2))
+    eng = make(model)
+    weights = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    eng.start_weight_update()
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h1")))
+    eng.finish_weight_update()
+    assert calls == []  # no layerwise reload: start and finish did nothing of vLLM's
+    assert [n for n, _ in model.loaded] == ["a", "b"]
+    for name, tensor in model.loaded:
+        assert torch.equal(tensor, weights[name])
+        assert tensor.untyped_storage().data_ptr() == buffers["h1"].untyped_storage().data_ptr()
+    mapped = eng.staging
+    eng.start_weight_update()  # the next refit: the same buffer stays mapped
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h1")))
+    assert eng.staging is mapped
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h2")))  # it grew
+    assert eng.staging is buffers["h2"]
+
+
+def test_a_moe_model_takes_copies_through_the_layerwise_reload(engine):
+    make, calls, buffers = engine
+    model = Model(torch.nn.Linear(2, 2), SharedFusedMoE())
+    eng = make(model)
+    eng.start_weight_update()
+    eng.receive_weights(eng.parse_update_info(update({"w": torch.ones(3)}, buffers, "h")))
+    eng.finish_weight_update()
+    assert calls == ["start_weight_update", "finish_weight_update"]
+    (_, tensor), = model.loaded  # fmt: skip
+    assert tensor.untyped_storage().data_ptr() != buffers["h"].untyped_storage().data_ptr()
+
+
+def test_vllms_own_ipc_message_takes_vllms_path(engine):
+    make, calls, _ = engine
+    eng = make(Model(torch.nn.Linear(2, 2)))
+    eng.start_weight_update()
+    eng.receive_weights(SimpleNamespace(names=["w"]))  # not a BufferUpdateInfo: vLLM's message
+    eng.finish_weight_update()
+    assert calls == ["start_weight_update", "receive_weights", "finish_weight_update"]
