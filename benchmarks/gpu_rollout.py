@@ -5,7 +5,8 @@
 
 The second command runs, one after the other on the same GPU:
   bare: vLLM's own OpenAI server (the same engine flags Molt passes: dtype, memory share, CUDA
-        graphs), all prompts x samples sent at once to /v1/completions as token ids;
+        graphs), all prompts x samples sent at once to /v1/completions as token ids, once
+        without log-probs and once asking each sampled token's log-prob, as Molt does;
   molt: `molt-train` colocated (--train.colocate, refit over CUDA IPC), synchronous
         (--train.force_on_policy, so each step's generation has the GPU alone), the Env in
         even_tokens_env.py, the same prompts and sampling;
@@ -125,13 +126,15 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
         startup = time.monotonic() - t0
         prompts = prompt_ids(path)
 
-        async def run() -> tuple[int, float]:
+        async def run(logprobs: bool) -> tuple[int, float]:
             limits = httpx.Limits(max_connections=None)
             async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
                 async def one(ids):
                     body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
                             "temperature": 1.0, "top_p": 1.0}  # fmt: skip
+                    if logprobs:
+                        body["logprobs"] = 0
                     reply = await http.post(url + "/v1/completions", json=body)
                     reply.raise_for_status()
                     return reply.json()["usage"]["completion_tokens"]
@@ -141,9 +144,12 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
                 counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(samples)))
                 return sum(counts), time.perf_counter() - t
 
-        tokens, seconds = asyncio.run(run())
+        tokens, seconds = asyncio.run(run(logprobs=False))
+        # the same requests asking what Molt asks: each sampled token's log-prob
+        lp_tokens, lp_seconds = asyncio.run(run(logprobs=True))
         return {"startup_s": startup, "tokens": tokens, "seconds": seconds,
-                "tokens_per_s": tokens / seconds}  # fmt: skip
+                "tokens_per_s": tokens / seconds,
+                "logprobs_tokens_per_s": lp_tokens / lp_seconds}  # fmt: skip
     finally:
         server.terminate()
         server.wait(60)
@@ -187,8 +193,24 @@ PROBES = ("completions", "completions_logprobs", "tokens", "tokens_logprobs",
 LEAN = {"detokenize": False, "flat_logprobs": True}
 
 
+def sample_stacks(root, out: Path, seconds: int = 20) -> list[subprocess.Popen]:
+    """py-spy (when installed) sampling each engine process's Python stacks for `seconds`
+    (from the start of the batch), as collapsed stacks in `out`/<pid>.txt; summarised by
+    `benchmarks/stack_summary.py`."""
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        print("probe: py-spy is not installed; no stack samples", flush=True)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "-p", str(p.pid), "-d", str(seconds), "-r", "200",
+                              "-f", "raw", "-o", str(out / f"{p.name()}_{p.pid}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=(out / f"{p.pid}.err").open("w"))
+            for p in [root, *root.children(recursive=True)]]  # fmt: skip
+
+
 def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int,
-          ways: list[str]) -> dict:  # fmt: skip
+          ways: list[str], profile: list[str] = ()) -> dict:  # fmt: skip
     """Molt's engine (its exact server flags) answering the same requests each way of PROBES:
     generated tokens/s and the CPU seconds of the engine's processes (API server(s), engine
     core) per way. The way whose rate falls is where Molt's rollout loses to bare vLLM."""
@@ -214,15 +236,17 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
     prompts = prompt_ids(path)
     root = psutil.Process(server.pid())
 
-    def cpu_s() -> float:
-        total = 0.0
+    def cpu_s() -> dict[str, float]:
+        """CPU seconds so far per engine process, by name (API server, EngineCore, ...)."""
+        seconds: dict[str, float] = {}
         for p in [root, *root.children(recursive=True)]:
             try:
-                times = p.cpu_times()
-                total += times.user + times.system
+                name, times = p.name(), p.cpu_times()
             except psutil.NoSuchProcess:
-                pass
-        return total
+                continue
+            name = name if p.pid != root.pid else "api_server"
+            seconds[name] = seconds.get(name, 0.0) + times.user + times.system
+        return seconds
 
     async def one(http, client, way: str, ids: list[int], i: int) -> int:
         if way == "token_client":
@@ -253,13 +277,19 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
             client = TokenClient(url, str(path), timeout_s=600)
             await one(http, client, way, prompts[0], 0)  # warm
             c, t = cpu_s(), time.perf_counter()
+            spies = (
+                sample_stacks(root, out / f"pyspy_{api_servers}_{way}") if way in profile else []
+            )
             jobs = [one(http, client, way, p, i) for i, p in enumerate(prompts)
                     for _ in range(samples)]  # fmt: skip
             tokens = sum(await asyncio.gather(*jobs))
             seconds = time.perf_counter() - t
             await client.aclose()
+        for spy in spies:
+            spy.wait(60)
+        per_process = {k: v - c.get(k, 0.0) for k, v in cpu_s().items()}
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "engine_cpu_s": cpu_s() - c}  # fmt: skip
+                "engine_cpu_s": sum(per_process.values()), "cpu_s_per_process": per_process}  # fmt: skip
 
     result = {"api_servers": api_servers, "startup_s": startup}
     try:
@@ -286,6 +316,13 @@ def main() -> None:
                    help="--probe: front-end process counts to probe")  # fmt: skip
     p.add_argument("--ways", nargs="*", choices=PROBES, default=list(PROBES),
                    help="--probe: the ways to send the requests, in this order")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        choices=PROBES,
+        help="--probe: sample the engine's stacks with py-spy during these ways",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_rollout")))
     args = p.parse_args()
     if args.write:
@@ -293,7 +330,8 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
-        probes = [probe(args.model, args.samples, args.max_tokens, args.out, n, args.ways)
+        probes = [probe(args.model, args.samples, args.max_tokens, args.out, n, args.ways,
+                        args.profile)
                   for n in args.api_servers]  # fmt: skip
         (args.out / "gpu_rollout_probe.json").write_text(json.dumps(probes, indent=2))
         return
@@ -306,8 +344,12 @@ def main() -> None:
         print("molt:", json.dumps(result["molt"]), flush=True)
     if len(result) == 2:
         ratio = result["molt"]["tokens_per_s"] / result["bare"]["tokens_per_s"]
-        print(f"rollout ratio {ratio:.2f} (Molt tokens/s / bare vLLM tokens/s)")
-        result["ratio"] = ratio
+        same_ask = result["molt"]["tokens_per_s"] / result["bare"]["logprobs_tokens_per_s"]
+        print(
+            f"rollout ratio {ratio:.2f} (Molt tokens/s / bare vLLM tokens/s); {same_ask:.2f} "
+            "against bare vLLM asked for the sampled log-prob too"
+        )
+        result["ratio"], result["ratio_same_ask"] = ratio, same_ask
     (args.out / "gpu_rollout.json").write_text(json.dumps(result, indent=2))
 
 

@@ -16,11 +16,12 @@ Each variant refits twice in a row per round and the second is timed (the engine
 staging buffer mapped, as in a run). It prints each variant's median phases over the rounds
 after the first and the ratio of pause->resume times, then checks that every variant leaves
 the engine serving the same weights (greedy log-probs equal bit for bit after each one's refit
-of the same perturbed checkpoint).
+of the same perturbed checkpoint), and times the parts of a molt refit alone (`breakdown`).
 """
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import pickle
@@ -74,6 +75,50 @@ def greedy_logprobs(url: str, model: str) -> list[float]:
     reply = httpx.post(url + "/inference/v1/generate", json=body, timeout=120)
     reply.raise_for_status()
     return [e["logprob"] for e in reply.json()["choices"][0]["logprobs"]["content"]]
+
+
+def breakdown(refitter, named: dict[str, torch.Tensor], mb: int, repeats: int = 10) -> dict:
+    """Where a molt refit's time goes, each part timed alone (medians, ms): the pause and the
+    resume with nothing between; the trainer packing every bucket (copy and synchronize); an
+    update naming the staging buffer with no tensors (HTTP, the engine core, the worker's RPC
+    and its synchronize, per bucket); the rest of the transfer is the engine loading."""
+    from molt_rollout.buckets import BucketMeta, iter_buckets
+    from molt_rollout.refit import IpcTransport
+
+    def ms(call) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    result = {"pause_ms": [], "resume_ms": []}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        refitter.pause("keep")
+        result["pause_ms"].append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        refitter.resume()
+        result["resume_ms"].append((time.perf_counter() - t) * 1e3)
+    result = {k: statistics.median(v) for k, v in result.items()}
+    packer = IpcTransport()
+    buckets = [tensors for _, tensors in iter_buckets(iter(named.items()), mb << 20)]
+    result["pack_all_ms"] = ms(lambda: [packer.bucket_fields(b) for b in buckets])
+    packer.staging = None
+    empty = {
+        "update_info": {**dataclasses.asdict(BucketMeta()), "buffer": refitter.transport.shared}
+    }
+    refitter.pause("keep")
+    refitter._on_all(lambda e: e.post("/start_weight_update"))
+    try:
+        result["empty_update_ms"] = ms(lambda: refitter._on_all(
+            lambda e: e.post("/update_weights", empty)))  # fmt: skip
+    finally:
+        refitter._on_all(lambda e: e.post("/finish_weight_update"))
+        refitter.resume()
+    result["buckets"] = len(buckets)
+    return result
 
 
 def main() -> None:
@@ -141,6 +186,10 @@ def main() -> None:
             phases["restored_equal"] = checks[name]["restored_equal"]
             result["variants"][name] = phases
             print(name, json.dumps(phases), flush=True)
+        for mb in args.buckets_mb:
+            parts = breakdown(variants[f"molt-{mb}MB"], original, mb)
+            result["variants"][f"molt-{mb}MB"]["breakdown"] = parts
+            print(f"molt-{mb}MB breakdown", json.dumps(parts), flush=True)
         for mb in args.buckets_mb:
             old = result["variants"][f"vllm-{mb}MB"]["total"]
             new = result["variants"][f"molt-{mb}MB"]["total"]

@@ -300,3 +300,19 @@ def test_pause_abort_ends_in_flight_requests(rollout):
         finish, count = results[i]
         assert finish == "abort" and count < LONG_GENERATION, (i, finish, count)
     assert {finish for finish, _ in results} <= {"abort", "length"}
+
+
+def test_molt_answers_pause_with_vllms_replies(rollout):
+    """/pause is Molt's (fast_pause.py: vLLM's engine calls without its 20 ms sleep), with
+    vLLM's query fields and replies: a bad mode gets Molt's 400, not FastAPI's 422."""
+    url = rollout.engines.urls[0]
+    bad = httpx.post(url + "/pause", params={"mode": "later"}, timeout=30)
+    assert bad.status_code == 400 and "mode must be one of" in bad.json()["error"]
+    assert httpx.get(url + "/is_paused").json()["is_paused"] is False
+    try:
+        reply = httpx.post(url + "/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert reply.status_code == 200 and reply.json() == {"status": "paused"}
+        assert httpx.get(url + "/is_paused").json()["is_paused"] is True
+    finally:
+        httpx.post(url + "/resume", timeout=30).raise_for_status()
+    assert httpx.get(url + "/is_paused").json()["is_paused"] is False

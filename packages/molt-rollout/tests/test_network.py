@@ -69,9 +69,25 @@ def test_the_cluster_decides_once(monkeypatch, alive, multi):
 def test_engine_command_line_across_nodes():
     args = server_args(VLLMConfig(), "/m", 8123, "molt_gloo", host="127.0.0.2", token_check=True)
     assert args[args.index("--host") + 1] == "127.0.0.2"
-    assert args[args.index("--middleware") + 1] == "molt_rollout.engine_auth.RequireToken"
+    # the token check wraps every other middleware: it is added last
+    assert middlewares(args)[-1] == "molt_rollout.engine_auth.RequireToken"
     assert "--api-key" not in args  # the token travels in the environment, not in `ps`
-    assert "--middleware" not in server_args(VLLMConfig(), "/m", 8123, "molt_gloo")
+    plain = server_args(VLLMConfig(), "/m", 8123, "molt_gloo")
+    assert "molt_rollout.engine_auth.RequireToken" not in middlewares(plain)
+
+
+def middlewares(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, arg in enumerate(args) if arg == "--middleware"]
+
+
+def test_the_versions_middleware_sees_pause_before_molts_answers_it(monkeypatch):
+    from molt_rollout import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: (0, 26))
+    assert middlewares(server_args(VLLMConfig(), "/m", 8123, "molt_ipc")) == [
+        "molt_rollout.fast_pause.Pause",  # innermost
+        "molt_rollout.weight_versions.WeightVersions",  # counts every /pause, then forwards it
+    ]
 
 
 def call(app, path: str, headers: dict[str, str]) -> tuple[int, list]:

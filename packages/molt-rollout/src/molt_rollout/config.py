@@ -199,6 +199,9 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
         "--model", model,
         "--host", host,
         "--port", str(port),
+        # Middlewares: each added later wraps the earlier ones, so the versions' middleware
+        # sees every /pause before Molt's answers it, and the token check comes first of all.
+        "--middleware", "molt_rollout.fast_pause.Pause",  # /pause without vLLM's 20 ms sleep
         *version_server_args(),  # the token-in/token-out endpoint, weight versions
         "--logprobs-mode", "processed_logprobs",  # post-temperature, as the trainer recomputes
         "--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}',

@@ -9,8 +9,9 @@ ASGI: vLLM adds a class with `app.add_middleware`.
 """
 
 import hmac
-import json
 import os
+
+from molt_rollout.asgi import reply_json
 
 TOKEN_ENV = "VLLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
@@ -27,8 +28,4 @@ class RequireToken:
         given = dict(scope["headers"]).get(b"authorization", b"")
         if hmac.compare_digest(given, self.expected):
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": "missing or wrong token"}).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]  # fmt: skip
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await reply_json(send, 401, {"error": "missing or wrong token"})

@@ -18,6 +18,8 @@ Standard library only: it runs inside the vLLM server process.
 
 import json
 
+from molt_rollout.asgi import read_body, reply_json
+
 GENERATE_PATH = "/inference/v1/generate"
 
 
@@ -34,15 +36,15 @@ class WeightVersions:
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
         if path == "/weight_info" and method == "GET":
-            return await _json(send, {"weight_version": self.version})
+            return await reply_json(send, 200, {"weight_version": self.version})
         if path == "/update_weight_version" and method == "POST":
-            body = await _body(receive)
+            body = await read_body(receive)
             self.version = str(json.loads(body or b"{}")["new_version"])
-            return await _json(send, {"weight_version": self.version})
+            return await reply_json(send, 200, {"weight_version": self.version})
         if path == "/pause":
             self.refits += 1
         if path == "/finish_weight_update" and method == "POST":
-            body = await _body(receive)
+            body = await read_body(receive)
             version = json.loads(body or b"{}").get("weight_version")
             status = await _forward(self.app, scope, body, send)
             if status < 400 and version is not None:
@@ -87,15 +89,6 @@ def _labelled(body: bytes, version: str) -> bytes:
     return json.dumps(reply).encode()
 
 
-async def _body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
 async def _forward(app, scope, body: bytes, send) -> int:
     """Run the app on a body already read; returns the response status."""
     sent = False
@@ -115,11 +108,3 @@ async def _forward(app, scope, body: bytes, send) -> int:
 
     await app(scope, replay, watch)
     return status["code"]
-
-
-async def _json(send, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
-    await send({"type": "http.response.body", "body": body})
