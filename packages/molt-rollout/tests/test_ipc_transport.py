@@ -148,3 +148,82 @@ def test_vllms_own_ipc_message_takes_vllms_path(engine):
     eng.receive_weights(SimpleNamespace(names=["w"]))  # not a BufferUpdateInfo: vLLM's message
     eng.finish_weight_update()
     assert calls == ["start_weight_update", "receive_weights", "finish_weight_update"]
+
+
+class FusedModel(torch.nn.Module):
+    """A loader like vLLM's: q, k and v go into slices of one fused parameter (narrow, then
+    copy), `head` straight into its own. `extra` adds one more step after the copies."""
+
+    def __init__(self, extra=None) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 2), requires_grad=False)
+        self.head = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.extra, self.calls = extra, 0
+
+    def load_weights(self, weights) -> None:
+        self.calls += 1
+        rows = {"q": 0, "k": 2, "v": 4}
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name in rows:
+                    self.qkv.data.narrow(0, rows[name], 2).copy_(tensor)
+                else:
+                    self.head.data.copy_(tensor)
+            if self.extra is not None:
+                self.extra(self)
+
+
+def fused_weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {n: torch.randn(2, 2, generator=gen) for n in "qkv"}
+    return {**weights, "head": torch.randn(2, 3, generator=gen).bfloat16()}
+
+
+def assert_loaded(model: FusedModel, weights: dict) -> None:
+    assert torch.equal(model.qkv, torch.cat([weights[n] for n in "qkv"]))
+    assert torch.equal(model.head, weights["head"])
+
+
+def test_later_refits_replay_the_loaders_copies(engine):
+    make, calls, buffers = engine
+    model = FusedModel()
+    eng = make(model)
+    for seed in range(3):  # the first refit runs the loader, the next ones replay its copies
+        weights = fused_weights(seed)
+        eng.start_weight_update()
+        eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h")))
+        eng.finish_weight_update()
+        assert_loaded(model, weights)
+        assert model.calls == 1
+    weights = fused_weights(3)  # the trainer grew its buffer: the loader runs again, once
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h2")))
+    assert_loaded(model, weights)
+    assert model.calls == 2
+    assert calls == []
+
+
+def double_head(model):
+    model.head.data.copy_(model.head * 2)  # a copy of a computed tensor
+
+
+def zero_first_row(model):
+    model.qkv.data[0].fill_(0)  # an in-place op besides the copies (as zeroing a padding)
+
+
+def rebind_head(model):
+    model.head.data = model.head.data.clone()  # no op for the recorder to see
+
+
+@pytest.mark.parametrize("extra", [double_head, zero_first_row, rebind_head])
+def test_a_loader_that_does_more_than_copy_runs_every_time(engine, extra):
+    make, _, buffers = engine
+    model, reference = FusedModel(extra), FusedModel(extra)
+    eng = make(model)
+    for seed in range(2):
+        weights = fused_weights(seed)
+        eng.start_weight_update()
+        eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h")))
+        eng.finish_weight_update()
+        reference.load_weights(list(weights.items()))
+        assert torch.equal(model.qkv, reference.qkv) and torch.equal(model.head, reference.head)
+    assert model.calls == 2

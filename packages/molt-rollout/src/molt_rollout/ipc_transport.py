@@ -4,8 +4,10 @@ vLLM's own `ipc` backend shares every tensor of every refit by a fresh CUDA-IPC 
 over HTTP, and the engine maps and unmaps the trainer's memory for each one. Here the trainer
 copies each bucket into one staging buffer that it shares once; every `update_weights` call
 names the buffer (the same handle each time) and the bucket's layout (buckets.py). The engine
-maps the buffer on first sight, keeps it mapped, copies the bucket out and loads it through
-vLLM's layerwise reload, like every other backend. The handle travels as plain JSON fields:
+maps the buffer on first sight and keeps it mapped. A model with nothing computed after
+loading takes each bucket in place, through its own loader the first time and by replaying
+that loader's copies afterwards; others copy the bucket out and load it through vLLM's
+layerwise reload, like every other backend. The handle travels as plain JSON fields:
 no pickle, so the engine needs no VLLM_ALLOW_INSECURE_SERIALIZATION.
 
 Engine side: `BufferIpcEngine`, registered by Molt's vLLM plugin (vllm_plugin.py), created by
@@ -17,10 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+from vllm.logger import init_logger
 
 from molt_rollout.buckets import BucketMeta, unpack
+
+logger = init_logger(__name__)
 
 BACKEND = "molt_ipc"
 _BYTES = ("handle", "ref_counter_handle", "event_handle")  # base64 in JSON
@@ -75,6 +81,9 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         self.handle: str | None = None
         self.staging: torch.Tensor | None = None
         self.reloading: bool | None = None  # this update's load path, set by its first bucket
+        # per bucket layout: the copies vLLM's loader made from the staging buffer (None: not
+        # replayable), valid while the same buffer stays mapped
+        self.plans: dict[tuple, list | None] = {}
 
     def start_weight_update(self) -> None:
         self.reloading = None  # decided by the first bucket: see receive_weights
@@ -106,15 +115,76 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         fields = update_info.buffer
         if fields["handle"] != self.handle:  # the first bucket, or the trainer grew its buffer
             self.staging = open_shared(fields, self.device.index)
-            self.handle = fields["handle"]
+            self.handle, self.plans = fields["handle"], {}
         bucket = self.staging[: update_info.numbytes()]
         if self.reloading:  # it holds a layer's tensors until the layer is complete, maybe
-            bucket = bucket.clone()  # after the trainer has refilled the buffer
-        self.model.load_weights(unpack(bucket, update_info))
+            self.model.load_weights(unpack(bucket.clone(), update_info))  # after a refill
+            return
+        # In place: vLLM's loader runs once per bucket layout, recorded; later refits with the
+        # same layout replay its copies in one call (its Python, 0.1 ms a tensor, was most of a
+        # 4 GB refit on an H200: docs/benchmarks.md).
+        key = (tuple(update_info.names), tuple(update_info.dtype_names),
+               tuple(map(tuple, update_info.shapes)))  # fmt: skip
+        if key not in self.plans:
+            self.plans[key] = record_copies(self.model, unpack(bucket, update_info), self.staging)
+        elif self.plans[key] is None:
+            self.model.load_weights(unpack(bucket, update_info))
+        else:
+            destinations, sources = self.plans[key]
+            torch._foreach_copy_(destinations, sources)
         # The base class's update_weights then synchronizes: the trainer refills after the reply.
 
     def shutdown(self) -> None:
         self.handle = self.staging = None
+        self.plans = {}
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Sees every tensor operation of a weight load: keeps its copies from the staging buffer
+    into the model's tensors, and marks the load not replayable on anything else that writes
+    (a copy of a computed tensor, an in-place op such as zeroing a padding)."""
+
+    def __init__(self, staging: torch.Tensor, model_storages: set[int]) -> None:
+        super().__init__()
+        self.staging = staging.untyped_storage().data_ptr()
+        self.model_storages = model_storages
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replayable = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.copy_.default:
+            destination, source = args[0], args[1]
+            if (source.untyped_storage().data_ptr() == self.staging
+                    and destination.untyped_storage().data_ptr() in self.model_storages):  # fmt: skip
+                self.copies.append((destination, source))
+                return out
+        if func._schema.is_mutable:
+            self.replayable = False
+        return out
+
+
+def record_copies(model: torch.nn.Module, weights: list, staging: torch.Tensor) -> list | None:
+    """Loads `weights` (views of `staging`) through the model's own loader, recording it:
+    [destinations, sources] to replay with one `_foreach_copy_`, or None where the loader did
+    more than copy from the buffer into the model."""
+
+    def storages() -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+    before = storages()
+    recorder = _CopyRecorder(staging, before)
+    with recorder:
+        model.load_weights(weights)
+    # a loader that rebinds a parameter (`param.data = ...`) did what no copy replays
+    replayable = recorder.replayable and recorder.copies and storages() == before
+    logger.info("%s: a bucket of %d tensors %s", BACKEND, len(weights),
+                f"loads by replaying {len(recorder.copies)} copies from now on" if replayable
+                else "keeps vLLM's loader: it does more than copy")  # fmt: skip
+    if not replayable:
+        return None
+    destinations, sources = map(list, zip(*recorder.copies, strict=True))
+    return [destinations, sources]
 
 
 def loads_in_place(model: torch.nn.Module, vllm_config) -> bool:
