@@ -17,9 +17,10 @@ step breakdown (medians over the steps after the first), and `is/vllm_kl`.
 
 `--probe` splits the gap: one engine started with Molt's own flags (`molt_rollout.engine`),
 the same requests sent each way of PROBES one after the other (/v1/completions without and
-with the sampled token's log-prob, the token route without and with it and with it lean, and
-Molt's `TokenClient` as the runners call it), each with the engine processes' CPU seconds; then the same with
-`--api-server-count` (`--api-servers`) front-end processes.
+with the sampled token's log-prob, the token route without and with it, lean, and lean with
+one output a request, and Molt's `TokenClient` as the runners call it), each with the CPU
+seconds of each engine process (`--profile`: and py-spy's samples of their stacks); then the
+same with `--api-server-count` (`--api-servers`) front-end processes.
 
 The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 B parameters,
 4.06 GB in bf16) with random weights, and Molt's tiny tokenizer widened to the same vocabulary
@@ -187,10 +188,12 @@ def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> di
 
 
 PROBES = ("completions", "completions_logprobs", "tokens", "tokens_logprobs",
-          "tokens_logprobs_lean", "token_client")  # fmt: skip
+          "tokens_logprobs_lean", "tokens_logprobs_final", "token_client")  # fmt: skip
 # "lean": the sampled token's log-prob without detokenizing (no text, no per-token decode of
-# each log-prob's token) and in vLLM's flat log-prob arrays, not a dict per token.
+# each log-prob's token) and in vLLM's flat log-prob arrays, not a dict per token; "final":
+# lean and one output at the end (vLLM's FINAL_ONLY), not one per step (the route's default).
 LEAN = {"detokenize": False, "flat_logprobs": True}
+FINAL = {**LEAN, "output_kind": 2}
 
 
 def sample_stacks(root, out: Path, seconds: int = 20) -> list[subprocess.Popen]:
@@ -264,8 +267,7 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
                     "skip_special_tokens": False}  # fmt: skip
         if "logprobs" in way:
             sampling["logprobs"] = 0
-        if way.endswith("lean"):
-            sampling.update(LEAN)
+        sampling.update({"lean": LEAN, "final": FINAL}.get(way.rpartition("_")[2], {}))
         body = {"model": str(path), "token_ids": ids, "sampling_params": sampling}
         reply = await http.post(url + GENERATE_PATH, json=body)
         reply.raise_for_status()

@@ -206,6 +206,7 @@ def test_request_carries_session_salt_and_sampling_params(engine):
     assert sp["logprobs"] == 0  # the sampled token's log-prob, no alternatives
     assert sp["skip_special_tokens"] is False
     assert sp["flat_logprobs"] is True
+    assert sp["output_kind"] == 2  # vLLM's FINAL_ONLY: no output per step
     assert sp["detokenize"] is True  # stop strings are matched on text
 
 

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from molt_rollout.buckets import BucketMeta, unpack
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler writes the engine log
 
 BACKEND = "molt_ipc"
 _BYTES = ("handle", "ref_counter_handle", "event_handle")  # base64 in JSON
@@ -123,6 +123,8 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         # In place: vLLM's loader runs once per bucket layout, recorded; later refits with the
         # same layout replay its copies in one call (its Python, 0.1 ms a tensor, was most of a
         # 4 GB refit on an H200: docs/benchmarks.md).
+        if not update_info.names:
+            return
         key = (tuple(update_info.names), tuple(update_info.dtype_names),
                tuple(map(tuple, update_info.shapes)))  # fmt: skip
         if key not in self.plans:
