@@ -429,6 +429,50 @@ def test_empty_generation_is_never_a_race(engine):
     assert client.version_races == 0 and len(engine.generate_calls()) == 1
 
 
+def test_a_told_version_salts_requests_without_a_read(engine):
+    """The driver tells the runners each refit's version: no /weight_info call per request."""
+    engine.spans = [[{"version": "4", "start": 0, "end": 3}]]
+    client = make_client(engine.url)
+    client.tell_version(4)
+    client.tell_version(3)  # late and out of order: never lowers it
+    gen = generate(client)
+    assert gen.weight_versions == [4, 4, 4]
+    assert [c.path for c in engine.calls] == [GENERATE]
+    assert engine.calls[0].body["cache_salt"] == "molt-v4"
+
+
+def test_a_told_version_behind_the_engines_is_a_race_that_updates_it(engine):
+    """A refit landed before the driver's word arrived: the reply's first token shows the
+    engines' newer version, the request is re-sent salted with it, and it is kept."""
+    engine.spans = [[{"version": "5", "start": 0, "end": 3}]] * 3
+    client = make_client(engine.url)
+    client.tell_version(4)
+    params = SamplingParams(max_tokens=8)
+
+    async def main():
+        try:
+            return [await client([1, 2, 3], params, "s") for _ in range(2)]
+        finally:
+            await client.aclose()
+
+    first, second = asyncio.run(main())
+    assert first.weight_versions == second.weight_versions == [5, 5, 5]
+    salts = [c.body["cache_salt"] for c in engine.generate_calls()]
+    assert salts == ["molt-v4", "molt-v5", "molt-v5"]  # the second call needs no race
+    assert client.version_races == 1 and client.version == 5
+    assert WEIGHT_INFO not in [c.path for c in engine.calls]
+
+
+def test_the_adapter_client_keeps_reading_the_version(engine):
+    """Its request names the version's adapter, which must be loaded: it asks the engine."""
+    engine.versions = ["3"]
+    client = make_client(engine.url, adapter="molt-lora")
+    client.tell_version(7)
+    generate(client)
+    assert [c.path for c in engine.calls] == [WEIGHT_INFO, GENERATE]
+    assert engine.generate_calls()[0].body["model"] == "molt-lora-v3"
+
+
 def test_parse_top_k_candidates():
     content = [
         # vLLM lists the sampled token first, then the top-k by rank (the sampled one again).

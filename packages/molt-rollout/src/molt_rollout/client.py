@@ -222,6 +222,11 @@ class TokenClient:
         self.url = base_url.rstrip("/") + GENERATE_PATH
         self.version_url = base_url.rstrip("/") + "/weight_info"
         self.version_races = 0  # requests re-sent because a refit landed mid-request
+        # The engines' weight version as the run's driver last told it (`tell_version`), or
+        # None: read before every request. Told, a request needs no read (half the requests
+        # an engine answers in a one-turn rollout); a told version is never ahead of the
+        # engines, and one behind is caught by the race rule below, as a read one is.
+        self.version: int | None = None
         self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
         # aiohttp, not httpx: with a runner's hundreds of concurrent rollouts, httpx's pool
         # scans every connection per request (14 ms of CPU a rollout against 0.7 ms here;
@@ -265,7 +270,7 @@ class TokenClient:
                 await self._from_adapter(token_ids, params, headers, body), token_ids, images
             )
         for _ in range(MAX_VERSION_RACES + 1):
-            version = await self._version(headers)
+            version = self.version if self.version is not None else await self._version(headers)
             body["cache_salt"] = f"molt-v{version}"
             reply = await self._request("POST", self.url, headers, body)
             generation = parse_generation(
@@ -274,6 +279,8 @@ class TokenClient:
             if not generation.weight_versions or generation.weight_versions[0] == version:
                 return check_placeholders(generation, token_ids, images)
             self.version_races += 1
+            if self.version is not None:  # a reply shows the engines' newer one: never ahead
+                self.version = max(self.version, generation.weight_versions[0])
         # Refits keep landing between the version read and the prefill (a busy engine): keep
         # the last answer rather than drop the rollout. Its tokens carry the versions that
         # produced them; only its prompt's cache salt was a version behind, as for a request
@@ -297,6 +304,13 @@ class TokenClient:
                                     self.top_logprobs, version)  # fmt: skip
         raise GenerationError(f"the engines refused the adapter of the version they reported "
                               f"({body['model']}) {MAX_VERSION_RACES + 1} times")  # fmt: skip
+
+    def tell_version(self, version: int) -> None:
+        """From the run's driver, once every engine serves `version`: from now on no read per
+        request (the adapter refit keeps its reads: its request names the version's adapter,
+        which must still be loaded)."""
+        if self.adapter is None:
+            self.version = version if self.version is None else max(self.version, version)
 
     async def _version(self, headers: dict) -> int:
         reply = await self._request("GET", self.version_url, headers)

@@ -54,10 +54,10 @@ class RunnerActor:
         """The token client to the router and the agent runner on it."""
         check_reachable(router_url, "an agent runner dialling the router")
         request_timeout_s, max_retries, adapter, token = self.client_args
-        client = TokenClient(router_url, self.model, request_timeout_s, max_retries,
-                             top_logprobs=self.rollout.top_logprobs, adapter=adapter,
-                             token=token)  # fmt: skip
-        self.runner = self.runner_class(client, self.tokenizer, self.rollout,
+        self.client = TokenClient(router_url, self.model, request_timeout_s, max_retries,
+                                  top_logprobs=self.rollout.top_logprobs, adapter=adapter,
+                                  token=token)  # fmt: skip
+        self.runner = self.runner_class(self.client, self.tokenizer, self.rollout,
                                         self.apply_chat_template, **self.extra)  # fmt: skip
         # Eval tasks sample with their own parameters: the same runner with the eval's config.
         eval_rollout = self.eval_rollout
@@ -76,6 +76,10 @@ class RunnerActor:
             rollouts=[r for r in results if not isinstance(r, Dropped)],
             dropped=[r for r in results if isinstance(r, Dropped)],
         )
+
+    def tell_version(self, version: int) -> None:
+        """Every engine serves `version` now (TokenClient.tell_version)."""
+        self.client.tell_version(version)
 
     def close(self) -> None:
         self.runner.close()  # the eval runner shares its resources
@@ -122,6 +126,14 @@ class RunnerActors:
                 f"{cfg.num_runners * cfg.cpus_per_runner} CPUs free?"
             ) from None
         return self
+
+    def tell_version(self, version: int) -> None:
+        """After a refit (or the first version) reached every engine: the runners' token
+        clients salt and check requests with it instead of reading it per request. Not waited
+        for: an actor runs its calls in order, and a request that goes out before it is
+        checked by the race rule (TokenClient)."""
+        for actor in self.actors:
+            actor.tell_version.remote(version)
 
     def launch(self, task: PromptTask) -> concurrent.futures.Future:
         return next(self._next).run_group.remote(task).future()

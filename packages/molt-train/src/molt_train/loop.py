@@ -156,6 +156,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         policy.refit(version)
     else:
         policy.set_engine_version(version)
+    runners.tell_version(version)
 
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg),
                            first_step if latest is not None else None)  # fmt: skip
@@ -184,11 +185,12 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
     def refit(version: int) -> dict[str, float]:
         try:
-            return rejoin(version) or policy.refit(version, pause_mode)
+            times = rejoin(version) or policy.refit(version, pause_mode)
         except Exception:  # an engine died under the refit: restarted, it is refit with the rest
-            if times := rejoin(version):
-                return times
-            raise
+            if not (times := rejoin(version)):
+                raise
+        runners.tell_version(version)  # every engine serves it: no version read per request
+        return times
 
     # One optimizer step over each batch: the training forward gives the old log-probs.
     reuse = reuses_training_forward(cfg)
