@@ -405,6 +405,15 @@ def test_version_races_count_across_calls(engine):
         [{"version": "3", "start": 0, "end": 3}],  # ok
     ]
     client = make_client(engine.url)
+    first, second = generate_twice(client)
+    assert first.weight_versions == [2, 2, 2] and second.weight_versions == [3, 3, 3]
+    assert client.version_races == 2
+    salts = [c.body["cache_salt"] for c in engine.generate_calls()]
+    assert salts == ["molt-v1", "molt-v2", "molt-v2", "molt-v3"]
+
+
+def generate_twice(client: TokenClient) -> list:
+    """Two calls one after the other on one event loop; the client is closed afterwards."""
     params = SamplingParams(max_tokens=8)
 
     async def main():
@@ -413,11 +422,7 @@ def test_version_races_count_across_calls(engine):
         finally:
             await client.aclose()
 
-    first, second = asyncio.run(main())
-    assert first.weight_versions == [2, 2, 2] and second.weight_versions == [3, 3, 3]
-    assert client.version_races == 2
-    salts = [c.body["cache_salt"] for c in engine.generate_calls()]
-    assert salts == ["molt-v1", "molt-v2", "molt-v2", "molt-v3"]
+    return asyncio.run(main())
 
 
 def test_empty_generation_is_never_a_race(engine):
@@ -447,15 +452,7 @@ def test_a_told_version_behind_the_engines_is_a_race_that_updates_it(engine):
     engine.spans = [[{"version": "5", "start": 0, "end": 3}]] * 3
     client = make_client(engine.url)
     client.tell_version(4)
-    params = SamplingParams(max_tokens=8)
-
-    async def main():
-        try:
-            return [await client([1, 2, 3], params, "s") for _ in range(2)]
-        finally:
-            await client.aclose()
-
-    first, second = asyncio.run(main())
+    first, second = generate_twice(client)
     assert first.weight_versions == second.weight_versions == [5, 5, 5]
     salts = [c.body["cache_salt"] for c in engine.generate_calls()]
     assert salts == ["molt-v4", "molt-v5", "molt-v5"]  # the second call needs no race

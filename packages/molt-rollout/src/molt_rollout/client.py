@@ -280,7 +280,7 @@ class TokenClient:
                 return check_placeholders(generation, token_ids, images)
             self.version_races += 1
             if self.version is not None:  # a reply shows the engines' newer one: never ahead
-                self.version = max(self.version, generation.weight_versions[0])
+                self.tell_version(generation.weight_versions[0])
         # Refits keep landing between the version read and the prefill (a busy engine): keep
         # the last answer rather than drop the rollout. Its tokens carry the versions that
         # produced them; only its prompt's cache salt was a version behind, as for a request
