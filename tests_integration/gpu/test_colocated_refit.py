@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from molt_capture.types import SamplingParams
+from molt_rollout.agent import Env, EnvState, Result
 from molt_rollout.client import GENERATE_PATH
 
 pytestmark = pytest.mark.gpu
@@ -168,3 +169,66 @@ def test_refit_timings_are_reported(colocated):
         for phase in ("pause", "start", "transfer", "finish", "resume", "total"):
             assert t[f"timing/refit_{phase}"] >= 0
     print("refit timings (tiny model):", times[-1])
+
+
+class TwoTurns(Env):
+    """The first reply gets a text observation; the second ends the rollout."""
+
+    async def step(self, state: EnvState) -> Result:
+        if state.turn == 0:
+            return Result(reward=0.0, observation=" and then?", terminated=False)
+        return Result(reward=1.0)
+
+
+def test_trained_ids_are_the_generated_ids(colocated):
+    """A two-turn Env rollout on the CUDA engine through the runners' token client (sampled at
+    temperature 1): every generated turn is in the trace with its ids, log-probs and version,
+    the trainer's packed row trains exactly those ids, and its log-probs on them are the
+    engine's (the weights sent at version 30, bf16)."""
+    import ray
+    from transformers import PreTrainedTokenizerFast
+
+    from molt_capture.testing import FakeCall, assert_token_exact
+    from molt_rollout.config import RolloutConfig
+    from molt_rollout.env_runner import EnvRunner
+    from molt_train.packing import Sample, pack
+
+    service, trainer = colocated
+    ray.get(trainer.refit.remote(30, noise=0.0), timeout=300)
+    calls: list[FakeCall] = []
+
+    async def rollout():
+        client = service.token_client()
+
+        async def recorded(token_ids, params, session_id, images=()):
+            call = FakeCall(list(token_ids), params, session_id)
+            call.generation = await client(token_ids, params, session_id, images)
+            calls.append(call)
+            return call.generation
+
+        class Runner(EnvRunner):
+            env_class = TwoTurns
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(service.model)
+        config = RolloutConfig(temperature=1.0, max_tokens=24, max_turns=2)
+        row = {"prompt": [{"role": "user", "content": "Count with me."}]}
+        try:
+            return await Runner(recorded, tokenizer, config, True).run(row, "r0", "g0")
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(rollout())
+    assert len(calls) == 2 and result.reward == 1.0
+    assert_token_exact(result.segments, calls)
+    [seg] = result.segments
+    assert set(v for span in seg.turns for v in seg.weight_versions[span.start : span.end]) == {30}
+
+    batch = pack([Sample(token_ids=seg.token_ids, loss_mask=seg.trainable)])
+    trained = batch.input_ids[0][batch.loss_mask[0]].tolist()
+    assert trained == [t for call in calls for t in call.generation.token_ids]
+    # The trainer's view of the same row: its log-probs on the trained ids are the engine's.
+    ids = batch.input_ids[0].tolist()
+    reference = ray.get(trainer.logprobs.remote(ids[:1], ids[1:]), timeout=300)
+    engine = [lp for lp, m in zip(seg.logprobs, seg.trainable, strict=True) if m]
+    ours = [lp for lp, m in zip(reference, seg.trainable[1:], strict=True) if m]
+    assert max(abs(a - b) for a, b in zip(engine, ours, strict=True)) < 0.1  # bf16
