@@ -102,6 +102,7 @@ def prompt_ids(path: Path) -> list[list[int]]:
 
 def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
     """vLLM's server alone: every prompt x sample at once; generated tokens per second."""
+    import aiohttp
     import httpx
 
     from molt_rollout.engine import free_port
@@ -128,17 +129,20 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
         prompts = prompt_ids(path)
 
         async def run(logprobs: bool) -> tuple[int, float]:
-            limits = httpx.Limits(max_connections=None)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            # aiohttp, as the runners' TokenClient: the same client library on both sides (the
+            # bare side on httpx measured 2.7x slower; docs/benchmarks.md, H200 run5)
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
 
                 async def one(ids):
                     body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
                             "temperature": 1.0, "top_p": 1.0}  # fmt: skip
                     if logprobs:
                         body["logprobs"] = 0
-                    reply = await http.post(url + "/v1/completions", json=body)
-                    reply.raise_for_status()
-                    return reply.json()["usage"]["completion_tokens"]
+                    async with http.post(url + "/v1/completions", json=body) as reply:
+                        reply.raise_for_status()
+                        return (await reply.json())["usage"]["completion_tokens"]
 
                 await one(prompts[0])  # warm
                 t = time.perf_counter()
@@ -217,7 +221,7 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
     """Molt's engine (its exact server flags) answering the same requests each way of PROBES:
     generated tokens/s and the CPU seconds of the engine's processes (API server(s), engine
     core) per way. The way whose rate falls is where Molt's rollout loses to bare vLLM."""
-    import httpx
+    import aiohttp
     import psutil
 
     from molt_capture.types import SamplingParams
@@ -260,22 +264,23 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
                     "temperature": 1.0, "top_p": 1.0}  # fmt: skip
             if way.endswith("logprobs"):
                 body["logprobs"] = 0
-            reply = await http.post(url + "/v1/completions", json=body)
-            reply.raise_for_status()
-            return reply.json()["usage"]["completion_tokens"]
+            async with http.post(url + "/v1/completions", json=body) as reply:
+                reply.raise_for_status()
+                return (await reply.json())["usage"]["completion_tokens"]
         sampling = {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0,
                     "skip_special_tokens": False}  # fmt: skip
         if "logprobs" in way:
             sampling["logprobs"] = 0
         sampling.update({"lean": LEAN, "final": FINAL}.get(way.rpartition("_")[2], {}))
         body = {"model": str(path), "token_ids": ids, "sampling_params": sampling}
-        reply = await http.post(url + GENERATE_PATH, json=body)
-        reply.raise_for_status()
-        return len(reply.json()["choices"][0]["token_ids"])
+        async with http.post(url + GENERATE_PATH, json=body) as reply:
+            reply.raise_for_status()
+            return len((await reply.json())["choices"][0]["token_ids"])
 
     async def run(way: str) -> dict:
-        limits = httpx.Limits(max_connections=None)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
             client = TokenClient(url, str(path), timeout_s=600)
             await one(http, client, way, prompts[0], 0)  # warm
             c, t = cpu_s(), time.perf_counter()
