@@ -169,11 +169,14 @@ def _checked(image, where: str):
 
 def load_image_encoder(model_path: str, max_images: int = MAX_IMAGES) -> ImageEncoder | None:
     """The model's image encoder, or None for a text-only model (no image processor)."""
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     if getattr(config, "vision_config", None) is None:
         return None
+    # Only now: its import costs a text-only runner about 1 s of CPU at start-up.
+    from transformers import AutoProcessor
+
     return ImageEncoder(AutoProcessor.from_pretrained(model_path), config.model_type, max_images)
 
 
