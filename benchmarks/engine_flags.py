@@ -16,32 +16,24 @@ against 42.7K tokens/s; docs/benchmarks.md): this splits that in one call.
 """
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from gpu_rollout import MEMORY, prompt_ids
+from gpu_rollout import BARE_FLAGS, MAX_LEN, MEMORY, bare
 
 MOLT_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # what EngineServer adds to the server's environment
+OWN = {"--model", "--host", "--port"}  # where the server listens: each run picks its own
 
 
-def base_args(model: Path, port: int) -> list[str]:
-    return ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype",
-            "bfloat16", "--gpu-memory-utilization", MEMORY, "--max-model-len", "2048"]  # fmt: skip
-
-
-def molt_groups(model: Path, port: int, backend: str) -> dict[str, list[str]]:
+def molt_groups(model: Path, backend: str) -> dict[str, list[str]]:
     """Molt's server flags that the bare server lacks, grouped by flag name."""
     from molt_rollout.config import VLLMConfig, server_args
 
-    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY), max_model_len=2048)
-    args = server_args(cfg, str(model), port, backend)
-    base = base_args(model, port)
+    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY),
+                     max_model_len=int(MAX_LEN))  # fmt: skip
+    args = server_args(cfg, str(model), 0, backend)
     groups: dict[str, list[str]] = {}
     i = 0
     while i < len(args):
@@ -49,7 +41,7 @@ def molt_groups(model: Path, port: int, backend: str) -> dict[str, list[str]]:
         while j < len(args) and not args[j].startswith("--"):
             j += 1
         pair = args[i:j]
-        if not _in(pair, base):
+        if flag not in OWN and not _in(pair, BARE_FLAGS):
             groups.setdefault(flag, []).extend(pair)
         i = j
     return groups
@@ -57,53 +49,6 @@ def molt_groups(model: Path, port: int, backend: str) -> dict[str, list[str]]:
 
 def _in(pair: list[str], args: list[str]) -> bool:
     return any(args[k : k + len(pair)] == pair for k in range(len(args)))
-
-
-def serve(model: Path, extra: list[str], env: dict, out: Path, name: str, port: int,
-          prompts: list[list[int]], samples: int, max_tokens: int) -> float:  # fmt: skip
-    """Generated tokens/s of one server with `extra` flags and `env`."""
-    import aiohttp
-    import httpx
-
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               *base_args(model, port), *extra]  # fmt: skip
-    with (out / f"{name}.log").open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, **env})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: the server did not start, see {out / name}.log")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-
-        async def run() -> float:
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-            connector = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-
-                async def one(ids: list[int]) -> int:
-                    body = {"model": str(model), "prompt": ids, "max_tokens": max_tokens,
-                            "temperature": 1.0, "top_p": 1.0}  # fmt: skip
-                    async with http.post(url + "/v1/completions", json=body) as reply:
-                        reply.raise_for_status()
-                        return (await reply.json())["usage"]["completion_tokens"]
-
-                await one(prompts[0])  # warm
-                t = time.perf_counter()
-                counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(samples)))
-                return sum(counts) / (time.perf_counter() - t)
-
-        return asyncio.run(run())
-    finally:
-        server.terminate()
-        server.wait(120)
 
 
 def main() -> None:
@@ -115,24 +60,20 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/engine_flags")))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from molt_rollout.engine import free_port
-
-    port = free_port()
-    prompts = prompt_ids(args.model)
-    groups = molt_groups(args.model, port, args.backend)
+    groups = molt_groups(args.model, args.backend)
     every = [a for g in groups.values() for a in g]
     variants = [("bare", [], {}), *((f"+{k}", v, {}) for k, v in groups.items()),
                 ("+env", [], MOLT_ENV), ("molt (all)", every, MOLT_ENV), ("bare again", [], {})]  # fmt: skip
     rates = {}
     for name, extra, env in variants:
         slug = name.strip("+ ").replace(" ", "_").replace("(", "").replace(")", "").lstrip("-")
-        rates[name] = serve(args.model, extra, env, args.out, slug, port, prompts, args.samples,
-                            args.max_tokens)  # fmt: skip
+        rates[name] = bare(args.model, args.samples, args.max_tokens, args.out, extra, env, slug,
+                           logprobs=False)["tokens_per_s"]  # fmt: skip
         print(f"{name:32s} {rates[name]:10.0f} tokens/s  {' '.join(extra)}", flush=True)
-    bare = statistics.mean([rates["bare"], rates["bare again"]])
+    floor = statistics.mean([rates["bare"], rates["bare again"]])
     print(f"\nbare: {rates['bare']:.0f} and {rates['bare again']:.0f} tokens/s (the noise floor)")
     for name, rate in rates.items():
-        print(f"{name:32s} {rate / bare:5.2f}x bare")
+        print(f"{name:32s} {rate / floor:5.2f}x bare")
     (args.out / "engine_flags.json").write_text(json.dumps({"groups": groups, "tokens_per_s":
                                                             rates}, indent=2))  # fmt: skip
 

@@ -41,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VOCAB = 151936
 MEMORY = "0.45"  # the engine's share beside the trainer (--train.colocate's default)
+MAX_LEN = "2048"  # the engines' context
 
 
 def write(path: Path, prompts: int, tiny: bool = False) -> None:
@@ -100,8 +101,15 @@ def prompt_ids(path: Path) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for r in rows]  # fmt: skip
 
 
-def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
-    """vLLM's server alone: every prompt x sample at once; generated tokens per second."""
+# The bare server's flags: what Molt's engines are also given (benchmarks/engine_flags.py adds
+# Molt's own flags to these one group at a time).
+BARE_FLAGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", MEMORY, "--max-model-len", MAX_LEN]
+
+
+def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] = (),
+         env: dict | None = None, name: str = "bare_server", logprobs: bool = True) -> dict:  # fmt: skip
+    """vLLM's server alone (plus `extra` flags and `env`): every prompt x sample at once;
+    generated tokens per second, without log-probs and (`logprobs`) asking the sampled one's."""
     import aiohttp
     import httpx
 
@@ -109,16 +117,16 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
 
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-               "--port", str(port), "--dtype", "bfloat16", "--gpu-memory-utilization", MEMORY,
-               "--max-model-len", "2048"]  # fmt: skip
-    log = (out / "bare_server.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+               "--port", str(port), *BARE_FLAGS, *extra]  # fmt: skip
+    log = (out / f"{name}.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, **(env or {})})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 600:
             if server.poll() is not None:
-                raise RuntimeError(f"bare vLLM exited: see {out / 'bare_server.log'}")
+                raise RuntimeError(f"bare vLLM exited: see {out / name}.log")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -150,11 +158,12 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path) -> dict:
                 return sum(counts), time.perf_counter() - t
 
         tokens, seconds = asyncio.run(run(logprobs=False))
-        # the same requests asking what Molt asks: each sampled token's log-prob
-        lp_tokens, lp_seconds = asyncio.run(run(logprobs=True))
-        return {"startup_s": startup, "tokens": tokens, "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "logprobs_tokens_per_s": lp_tokens / lp_seconds}  # fmt: skip
+        result = {"startup_s": startup, "tokens": tokens, "seconds": seconds,
+                  "tokens_per_s": tokens / seconds}  # fmt: skip
+        if logprobs:  # the same requests asking what Molt asks: each sampled token's log-prob
+            lp_tokens, lp_seconds = asyncio.run(run(logprobs=True))
+            result["logprobs_tokens_per_s"] = lp_tokens / lp_seconds
+        return result
     finally:
         server.terminate()
         server.wait(60)
@@ -167,7 +176,7 @@ def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> di
              "--actor.num_workers", "1", "--train.force_on_policy", "--train.num_steps", str(steps),
              "--rollout.groups_per_batch", str(prompts), "--rollout.n_samples_per_prompt",
              str(samples), "--rollout.max_tokens", str(max_tokens), "--vllm.dtype", "bfloat16",
-             "--vllm.max_model_len", "2048", "--vllm.gpu_memory_utilization", MEMORY,
+             "--vllm.max_model_len", MAX_LEN, "--vllm.gpu_memory_utilization", MEMORY,
              "--rollout.num_runners", "4", "--logger.wandb_mode", "disabled",
              "--logger.tensorboard", "False", "--train.output_dir", str(out), "--logger.run_name",
              "molt", "--ckpt.every_steps", "0"]  # fmt: skip
@@ -230,7 +239,7 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
     from molt_rollout.engine import EngineServer
 
     extra = ["--api-server-count", str(api_servers)] if api_servers > 1 else []
-    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY), max_model_len=2048,
+    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY), max_model_len=int(MAX_LEN),
                      extra_args=extra, startup_timeout_s=600)  # fmt: skip
     import torch
 
