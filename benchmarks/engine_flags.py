@@ -4,9 +4,9 @@
     python benchmarks/engine_flags.py --model /tmp/q3r --out $OUT
 
 Starts vLLM's OpenAI server over and over on the same GPU: bare (the flags `gpu_rollout.py`'s
-bare side passes), then bare plus each group of the flags Molt adds (`molt_rollout.config.
-server_args`, the function the engines are started with, grouped by flag name, and Molt's
-server environment as one more group), then all of Molt's at once, then bare again. Each
+bare side passes), all of Molt's flags at once, bare again, then bare plus each group of the
+flags Molt adds (`molt_rollout.config.server_args`, the function the engines are started with,
+grouped by flag name, and Molt's server environment as one more group). Each
 server answers the same prompts x samples, all at once, to `/v1/completions` without log-probs
 (aiohttp, as the runners' client). Prints generated tokens/s per variant and its ratio to the
 mean of the two bare runs; their spread is the noise floor.
@@ -57,25 +57,32 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--backend", default="molt_ipc", help="the weight-transfer backend Molt names")
+    p.add_argument("--part", choices=("all", "total", "groups"), default="all",
+                   help="total: bare, all of Molt's, bare again; groups: bare, then each group")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/engine_flags")))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     groups = molt_groups(args.model, args.backend)
     every = [a for g in groups.values() for a in g]
-    variants = [("bare", [], {}), *((f"+{k}", v, {}) for k, v in groups.items()),
-                ("+env", [], MOLT_ENV), ("molt (all)", every, MOLT_ENV), ("bare again", [], {})]  # fmt: skip
+    # The total and the noise floor first, then one group at a time: a run cut short still
+    # answers whether Molt's flags cost anything.
+    total = [("molt (all)", every, MOLT_ENV), ("bare again", [], {})]
+    each = [*((f"+{k}", v, {}) for k, v in groups.items()), ("+env", [], MOLT_ENV)]
+    variants = [("bare", [], {}), *(total if args.part != "groups" else []),
+                *(each if args.part != "total" else [])]  # fmt: skip
     rates = {}
     for name, extra, env in variants:
         slug = name.strip("+ ").replace(" ", "_").replace("(", "").replace(")", "").lstrip("-")
         rates[name] = bare(args.model, args.samples, args.max_tokens, args.out, extra, env, slug,
                            logprobs=False)["tokens_per_s"]  # fmt: skip
-        print(f"{name:32s} {rates[name]:10.0f} tokens/s  {' '.join(extra)}", flush=True)
-    floor = statistics.mean([rates["bare"], rates["bare again"]])
-    print(f"\nbare: {rates['bare']:.0f} and {rates['bare again']:.0f} tokens/s (the noise floor)")
+        floor = statistics.mean(rates.get(k, rates["bare"]) for k in ("bare", "bare again"))
+        print(f"{name:32s} {rates[name]:10.0f} tokens/s {rates[name] / floor:5.2f}x bare  "
+              f"{' '.join(extra)}", flush=True)  # fmt: skip
+        record = {"groups": groups, "tokens_per_s": rates}
+        (args.out / f"engine_flags_{args.part}.json").write_text(json.dumps(record, indent=2))
+    print(f"\nbare: {rates['bare']:.0f} and {rates.get('bare again', 0):.0f} tokens/s (the floor)")
     for name, rate in rates.items():
         print(f"{name:32s} {rate / floor:5.2f}x bare")
-    (args.out / "engine_flags.json").write_text(json.dumps({"groups": groups, "tokens_per_s":
-                                                            rates}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -106,11 +108,11 @@ def prompt_ids(path: Path) -> list[list[int]]:
 BARE_FLAGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", MEMORY, "--max-model-len", MAX_LEN]
 
 
-def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] = (),
-         env: dict | None = None, name: str = "bare_server", logprobs: bool = True) -> dict:  # fmt: skip
-    """vLLM's server alone (plus `extra` flags and `env`): every prompt x sample at once;
-    generated tokens per second, without log-probs and (`logprobs`) asking the sampled one's."""
-    import aiohttp
+@contextlib.contextmanager
+def server(path: Path, out: Path, extra: list[str] = (), env: dict | None = None,
+           name: str = "bare_server"):  # fmt: skip
+    """vLLM's OpenAI server alone (BARE_FLAGS, then `extra`, the last of a flag winning) with
+    `env` added; yields (url, start-up seconds) once it answers /health; log in out/name.log."""
     import httpx
 
     from molt_rollout.engine import free_port
@@ -119,13 +121,13 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] 
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--port", str(port), *BARE_FLAGS, *extra]  # fmt: skip
     log = (out / f"{name}.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, **(env or {})})  # fmt: skip
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 600:
-            if server.poll() is not None:
+            if process.poll() is not None:
                 raise RuntimeError(f"bare vLLM exited: see {out / name}.log")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -133,43 +135,62 @@ def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] 
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        startup = time.monotonic() - t0
-        prompts = prompt_ids(path)
+        yield url, time.monotonic() - t0
+    finally:
+        process.terminate()
+        process.wait(60)
 
-        async def run(logprobs: bool) -> tuple[int, float]:
-            # aiohttp, as the runners' TokenClient: the same client library on both sides (the
-            # bare side on httpx measured 2.7x slower; docs/benchmarks.md, H200 run5)
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-            connector = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
 
-                async def one(ids):
-                    body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
-                            "temperature": 1.0, "top_p": 1.0}  # fmt: skip
-                    if logprobs:
-                        body["logprobs"] = 0
-                    async with http.post(url + "/v1/completions", json=body) as reply:
-                        reply.raise_for_status()
-                        return (await reply.json())["usage"]["completion_tokens"]
+def send(urls: list[str], path: Path, samples: int, max_tokens: int, logprobs: bool
+         ) -> tuple[int, float]:  # fmt: skip
+    """Every prompt x sample at once to /v1/completions, request i to urls[i % len(urls)];
+    (generated tokens, seconds). `logprobs`: each sampled token's log-prob, as Molt asks."""
+    import aiohttp
 
-                await one(prompts[0])  # warm
-                t = time.perf_counter()
-                counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(samples)))
-                return sum(counts), time.perf_counter() - t
+    prompts = prompt_ids(path)
 
-        tokens, seconds = asyncio.run(run(logprobs=False))
+    async def run() -> tuple[int, float]:
+        # aiohttp, as the runners' TokenClient: the same client library on both sides (the
+        # bare side on httpx measured 2.7x slower; docs/benchmarks.md, H200 run5)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+
+            async def one(url, ids):
+                body = {"model": str(path), "prompt": ids, "max_tokens": max_tokens,
+                        "temperature": 1.0, "top_p": 1.0}  # fmt: skip
+                if logprobs:
+                    body["logprobs"] = 0
+                async with http.post(url + "/v1/completions", json=body) as reply:
+                    reply.raise_for_status()
+                    return (await reply.json())["usage"]["completion_tokens"]
+
+            await asyncio.gather(*(one(url, prompts[0]) for url in urls))  # warm
+            work = [p for p in prompts for _ in range(samples)]
+            t = time.perf_counter()
+            counts = await asyncio.gather(*(one(urls[i % len(urls)], p)
+                                            for i, p in enumerate(work)))  # fmt: skip
+            return sum(counts), time.perf_counter() - t
+
+    return asyncio.run(run())
+
+
+def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] = (),
+         env: dict | None = None, name: str = "bare_server", logprobs: bool = True) -> dict:  # fmt: skip
+    """vLLM's server alone (plus `extra` flags and `env`): every prompt x sample at once;
+    generated tokens per second, without log-probs and (`logprobs`) asking the sampled one's."""
+    with server(path, out, extra, env, name) as (url, startup):
+        tokens, seconds = send([url], path, samples, max_tokens, logprobs=False)
         result = {"startup_s": startup, "tokens": tokens, "seconds": seconds,
                   "tokens_per_s": tokens / seconds}  # fmt: skip
         if logprobs:  # the same requests asking what Molt asks: each sampled token's log-prob
-            lp_tokens, lp_seconds = asyncio.run(run(logprobs=True))
+            lp_tokens, lp_seconds = send([url], path, samples, max_tokens, logprobs=True)
             result["logprobs_tokens_per_s"] = lp_tokens / lp_seconds
         return result
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
-def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> dict:
+def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path,
+         extra: list[str] = ()) -> dict:  # fmt: skip
     prompts = sum(1 for _ in (path / "prompts.jsonl").open())
     flags = ["--actor.model_path", str(path), "--data.train_files", str(path / "prompts.jsonl"),
              "--train.agent_path", str(HERE / "even_tokens_env.py"), "--train.colocate",
@@ -179,7 +200,7 @@ def molt(path: Path, samples: int, max_tokens: int, steps: int, out: Path) -> di
              "--vllm.max_model_len", MAX_LEN, "--vllm.gpu_memory_utilization", MEMORY,
              "--rollout.num_runners", "4", "--logger.wandb_mode", "disabled",
              "--logger.tensorboard", "False", "--train.output_dir", str(out), "--logger.run_name",
-             "molt", "--ckpt.every_steps", "0"]  # fmt: skip
+             "molt", "--ckpt.every_steps", "0", *extra]  # fmt: skip
     t0 = time.monotonic()
     with (out / "molt.log").open("w") as log:
         code = subprocess.call([sys.executable, "-m", "molt_train.cli", *flags], stdout=log,
@@ -327,6 +348,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", default="", help="bare or molt: leave that side out")
+    p.add_argument("--molt-args", type=shlex.split, default=[],
+                   help='more molt-train flags, e.g. --molt-args "--refit.bucket_mb 2048"')  # fmt: skip
     p.add_argument("--probe", action="store_true", help="split the rollout gap (above), then exit")
     p.add_argument("--api-servers", type=int, nargs="*", default=[1, 4],
                    help="--probe: front-end process counts to probe")  # fmt: skip
@@ -356,7 +379,8 @@ def main() -> None:
         result["bare"] = bare(args.model, args.samples, args.max_tokens, args.out)
         print("bare:", json.dumps(result["bare"]), flush=True)
     if args.skip != "molt":
-        result["molt"] = molt(args.model, args.samples, args.max_tokens, args.steps, args.out)
+        result["molt"] = molt(args.model, args.samples, args.max_tokens, args.steps, args.out,
+                              args.molt_args)  # fmt: skip
         print("molt:", json.dumps(result["molt"]), flush=True)
     if len(result) == 2:
         ratio = result["molt"]["tokens_per_s"] / result["bare"]["tokens_per_s"]
