@@ -36,3 +36,18 @@ def test_sleep_mode_frees_the_engine_for_the_optimizer_step(tmp_path):
                       "False", "--train.num_steps", "3", "--eval.every_steps", "0")  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2, 3]
     print("sleep mode step s:", [round(r["timing/step_total"], 3) for r in rows])
+
+
+def test_two_engines_share_the_gpu(tmp_path):
+    """--vllm.engines_per_gpu 2 colocated: both engines on the trainer's GPU, started one after
+    the other, both serve rollouts and take every refit (over the one shared staging buffer)."""
+    rows = quickstart(tmp_path, "--vllm.num_engines", "2", "--vllm.engines_per_gpu", "2",
+                      "--train.num_steps", "3", "--eval.every_steps", "0")  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    print("two engines: refit s", [round(r["timing/refit_total"], 4) for r in rows],
+          "vllm_kl", [r["is/vllm_kl"] for r in rows])  # fmt: skip
+    assert all(abs(r["is/vllm_kl"]) < 1e-2 for r in rows), rows  # the refit reached both
+    logs = [(tmp_path / "gpu" / "logs" / f"engine_{i}.log").read_text() for i in (0, 1)]
+    for log in logs:
+        assert log.count("POST /inference/v1/generate") > 10
+        assert "--gpu-memory-utilization 0.225" in log  # colocated's 0.45, halved

@@ -65,6 +65,12 @@ def test_routed_experts_need_gpu_engines():
         validate_engine_devices(VLLMConfig(enable_return_routed_experts=True), on_gpu=False)
 
 
+def test_engines_per_gpu_need_gpu_engines():
+    validate_engine_devices(VLLMConfig(num_engines=2, engines_per_gpu=2), on_gpu=True)
+    with pytest.raises(ValueError, match="--vllm.engines_per_gpu 2 places engines on GPUs"):
+        validate_engine_devices(VLLMConfig(num_engines=2, engines_per_gpu=2), on_gpu=False)
+
+
 @pytest.mark.parametrize(
     ("vllm", "router", "refit", "flags"),
     [
@@ -75,6 +81,19 @@ def test_routed_experts_need_gpu_engines():
             ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"],
         ),
         (VLLMConfig(num_engines=0), None, None, ["--vllm.num_engines"]),
+        (VLLMConfig(engines_per_gpu=0), None, None, ["--vllm.engines_per_gpu"]),
+        (
+            VLLMConfig(num_engines=2, engines_per_gpu=2, tensor_parallel_size=2),
+            None,
+            None,
+            ["--vllm.engines_per_gpu 2", "--vllm.tensor_parallel_size 1"],
+        ),
+        (
+            VLLMConfig(num_engines=3, engines_per_gpu=2),
+            None,
+            None,
+            ["--vllm.num_engines 3", "--vllm.engines_per_gpu 2"],
+        ),
         (VLLMConfig(tensor_parallel_size=0), None, None, ["--vllm.tensor_parallel_size"]),
         (VLLMConfig(data_parallel_size=-1), None, None, ["--vllm.data_parallel_size"]),
         (
@@ -98,6 +117,9 @@ def test_routed_experts_need_gpu_engines():
     ids=[
         "routed-experts-with-mtp",
         "num_engines-0",
+        "engines_per_gpu-0",
+        "engines_per_gpu-with-tp",
+        "engines_per_gpu-not-dividing",
         "tp-0",
         "dp-negative",
         "mtp-negative",
@@ -198,6 +220,11 @@ def test_optional_flags_when_set():
         assert args.count(flag) == 1
 
 
+def test_engines_sharing_a_gpu_split_its_memory_share():
+    cfg = VLLMConfig(num_engines=4, engines_per_gpu=2, gpu_memory_utilization=0.45)
+    assert float(flag_value(server_args(cfg, "m", 1, "nccl"), "--gpu-memory-utilization")) == 0.225
+
+
 def test_extra_args_appended_verbatim_last():
     extra = ["--seed", "7", "--max-num-seqs=4", "--hf-overrides", '{"a": [1]}', "--enforce-eager"]
     cfg = VLLMConfig(max_model_len=1024, mtp_num_speculative_tokens=1, extra_args=list(extra))
@@ -265,3 +292,15 @@ def test_vllm_parses_the_command_line():
     ns = parser.parse_args(server_args(VLLMConfig(), "m", 1, "molt_gloo", AdapterServing(8, 3)))
     assert ns.enable_lora is True and ns.max_lora_rank == 8
     assert ns.max_loras == 3 and ns.max_cpu_loras == 4
+
+
+@pytest.mark.parametrize(("num_engines", "per_gpu"), [(1, 1), (3, 1), (2, 2), (6, 2), (6, 3)])
+def test_engines_sharing_a_gpu_start_in_different_waves(num_engines, per_gpu):
+    from molt_rollout.engine import start_waves
+
+    waves = start_waves(num_engines, per_gpu)
+    assert sorted(i for wave in waves for i in wave) == list(range(num_engines))
+    assert len(waves) == per_gpu  # engines on GPUs of their own: one wave, all at once
+    for wave in waves:
+        gpus = [i // per_gpu for i in wave]
+        assert len(gpus) == len(set(gpus)) == num_engines // per_gpu  # one engine of each GPU

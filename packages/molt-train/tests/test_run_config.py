@@ -78,7 +78,10 @@ def _cfg(argv: list[str]) -> RunConfig:
         (["--train.colocate", "--vllm.enable_sleep_mode"],
          ["--vllm.enable_sleep_mode", "--train.partial_rollout_enable False"]),
         (["--train.colocate", "--vllm.num_engines", "2"],
-         ["--train.colocate", "--vllm.num_engines 1", "--vllm.tensor_parallel_size 1"]),
+         ["--train.colocate", "--vllm.num_engines equal to", "--vllm.engines_per_gpu",
+          "--vllm.tensor_parallel_size 1"]),
+        (["--train.colocate", "--vllm.num_engines", "4", "--vllm.engines_per_gpu", "2"],
+         ["--train.colocate", "--vllm.num_engines equal to", "--vllm.engines_per_gpu"]),
         (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
          ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
         (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
@@ -198,6 +201,20 @@ def test_colocation_shares_the_gpus_and_needs_them():
         validate_run_config(cfg, cluster_gpus=0)
     with pytest.raises(ValueError, match="asks for 2 GPUs"):
         validate_run_config(_cfg(["--train.colocate", "--actor.num_workers", "2"]), cluster_gpus=1)
+
+
+def test_engines_sharing_gpus_count_each_gpu_once():
+    cfg = _cfg(
+        ["--actor.num_workers", "2", "--vllm.num_engines", "4", "--vllm.engines_per_gpu", "2"]
+    )
+    validate_run_config(cfg, cluster_gpus=4)  # 2 trainer GPUs + 4 engines on 2
+    with pytest.raises(ValueError, match="asks for 4 GPUs.*engines_per_gpu.*has 3"):
+        validate_run_config(cfg, cluster_gpus=3)
+    two = ["--train.colocate", "--actor.num_workers", "1", "--vllm.num_engines", "2",
+           "--vllm.engines_per_gpu", "2"]  # fmt: skip
+    validate_run_config(_cfg(two), cluster_gpus=1)  # both engines beside rank 0
+    with pytest.raises(ValueError, match="--vllm.engines_per_gpu 2 places engines on GPUs"):
+        validate_run_config(_cfg(two[1:]), cluster_gpus=0)
 
 
 def test_engine_memory_share_defaults_by_placement():

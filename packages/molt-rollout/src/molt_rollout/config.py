@@ -58,6 +58,10 @@ class VLLMConfig:
     """Engine options, passed through to each vLLM server (`--vllm.*`)."""
 
     num_engines: int = 1  # vLLM servers behind the router
+    # Engines sharing each GPU (each on one GPU): a small model's engine is bound by its own two
+    # processes' CPU, not the GPU, when log-probs are asked; two on one H200 served 2.0x the
+    # tokens/s of one (1.7B; docs/rollout.md, "Engines per GPU").
+    engines_per_gpu: int = 1
     tensor_parallel_size: int = 1  # GPUs per engine replica (vLLM tensor parallelism)
     data_parallel_size: int = 1  # replicas inside one engine (vLLM data parallelism)
     enable_expert_parallel: bool = False  # MoE experts spread over the engine's GPUs
@@ -66,8 +70,9 @@ class VLLMConfig:
     enable_prefix_caching: bool = True  # reuse KV cache of shared prefixes (group prompts)
     enforce_eager: bool = False  # CUDA graphs off
     mtp_num_speculative_tokens: int = 0  # MTP speculative decoding (rollout only); 0 = off
-    # Fraction of GPU memory the engine may take; None: 0.85 on its own GPUs, 0.45 on GPUs
-    # shared with the trainer (--train.colocate).
+    # Fraction of each GPU's memory its engines may take together (split evenly between the
+    # engines of --vllm.engines_per_gpu); None: 0.85 on engines' own GPUs, 0.45 on GPUs shared
+    # with the trainer (--train.colocate).
     gpu_memory_utilization: float | None = None
     enable_sleep_mode: bool = False  # colocated: engine memory freed during the optimizer step
     dtype: str = "auto"  # engine weights' dtype (vLLM's --dtype); auto: the checkpoint's
@@ -153,6 +158,11 @@ def _validate_rollouts(r: RolloutConfig) -> None:
 
 def validate_engine_devices(vllm: VLLMConfig, on_gpu: bool) -> None:
     """What depends on whether the engines run on GPUs, once Ray knows."""
+    if vllm.engines_per_gpu > 1 and not on_gpu:
+        raise ValueError(
+            f"--vllm.engines_per_gpu {vllm.engines_per_gpu} places engines on GPUs, but the "
+            "engines run on CPU (no GPU in the Ray cluster): leave it at 1"
+        )
     if vllm.enable_return_routed_experts and not on_gpu:
         raise ValueError(
             "--vllm.enable_return_routed_experts needs GPU engines: vLLM returns routed experts "
@@ -161,9 +171,20 @@ def validate_engine_devices(vllm: VLLMConfig, on_gpu: bool) -> None:
 
 
 def _validate_engines(vllm: VLLMConfig) -> None:
-    for name in ("num_engines", "tensor_parallel_size", "data_parallel_size"):
+    for name in ("num_engines", "engines_per_gpu", "tensor_parallel_size", "data_parallel_size"):
         if getattr(vllm, name) < 1:
             raise ValueError(f"--vllm.{name} must be >= 1, got {getattr(vllm, name)}")
+    if vllm.engines_per_gpu > 1:
+        if vllm.tensor_parallel_size * vllm.data_parallel_size != 1:
+            raise ValueError(
+                f"--vllm.engines_per_gpu {vllm.engines_per_gpu} shares one GPU between engines "
+                "of one GPU each: use --vllm.tensor_parallel_size 1 --vllm.data_parallel_size 1"
+            )
+        if vllm.num_engines % vllm.engines_per_gpu:
+            raise ValueError(
+                f"--vllm.num_engines {vllm.num_engines} is not a multiple of "
+                f"--vllm.engines_per_gpu {vllm.engines_per_gpu}: each GPU holds that many engines"
+            )
     if vllm.mtp_num_speculative_tokens < 0:
         raise ValueError("--vllm.mtp_num_speculative_tokens must be >= 0")
     if vllm.enable_return_routed_experts and vllm.mtp_num_speculative_tokens > 0:
@@ -189,6 +210,11 @@ def _validate_engines(vllm: VLLMConfig) -> None:
         raise ValueError(f"--vllm.ray_resources amounts must be > 0, got {vllm.ray_resources}")
 
 
+def engine_memory_share(vllm: VLLMConfig) -> float:
+    """One engine's --gpu-memory-utilization: vLLM's is per server process, Molt's per GPU."""
+    return (vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) / vllm.engines_per_gpu
+
+
 def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
                 adapters: AdapterServing | None = None, host: str = LOOPBACK,
                 token_check: bool = False) -> list[str]:  # fmt: skip
@@ -208,7 +234,7 @@ def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
         "--tensor-parallel-size", str(vllm.tensor_parallel_size),
         "--data-parallel-size", str(vllm.data_parallel_size),
         "--dtype", vllm.dtype,
-        "--gpu-memory-utilization", str(vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION),
+        "--gpu-memory-utilization", str(engine_memory_share(vllm)),
         "--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if vllm.enable_expert_parallel:

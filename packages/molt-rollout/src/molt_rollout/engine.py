@@ -167,26 +167,43 @@ class EngineActor:
 COLOCATED_GPU_SHARE = 0.5  # Ray's bookkeeping only: memory is --vllm.gpu_memory_utilization
 
 
+def start_waves(num_engines: int, per_gpu: int) -> list[range]:
+    """The engines to start together, wave after wave: engine i shares GPU i // per_gpu, so
+    wave w holds those with i % per_gpu == w, one engine of each GPU."""
+    return [range(wave, num_engines, per_gpu) for wave in range(per_gpu)]
+
+
 class EngineGroup:
-    """The run's engines, started in parallel; `check()` raises EngineError for a dead one,
+    """The run's engines, started together (see `start`); `check()` raises EngineError for a dead one,
     `restart(i)` replaces engine i's server.
 
     `placement`: a Ray placement group of one-GPU bundles shared with the trainer
-    (--train.colocate); engine i then takes half of bundle i's GPU, whose other half the
-    trainer's rank i takes. None: each engine holds its own GPUs (and `--vllm.ray_resources`)."""
+    (--train.colocate); engine i then takes its share of bundle i // engines_per_gpu's GPU,
+    whose other half the trainer's rank takes. None: the engines hold GPUs of their own (and
+    `--vllm.ray_resources`); with several engines a GPU, in bundles of this group's own."""
 
     def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
                  on_gpu: bool, placement=None, adapters: AdapterServing | None = None,
                  network: Network = SINGLE_NODE) -> None:  # fmt: skip
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.cfg, per_gpu = cfg, cfg.engines_per_gpu
         gpus = cfg.tensor_parallel_size * cfg.data_parallel_size if on_gpu else 0
-        self.cfg = cfg
         options = [{"num_gpus": gpus, "resources": dict(cfg.ray_resources)}] * cfg.num_engines
+        self.own_placement = None
+        if placement is None and per_gpu > 1:
+            bundle = {"GPU": 1, **{k: v * per_gpu for k, v in cfg.ray_resources.items()}}
+            placement = self.own_placement = placement_group(
+                [bundle] * (cfg.num_engines // per_gpu), strategy="PACK"
+            )
         if placement is not None:
+            own = self.own_placement is not None
+            share = (1.0 if own else COLOCATED_GPU_SHARE) / per_gpu  # of the bundle's GPU
             options = [
-                {"num_gpus": COLOCATED_GPU_SHARE, "scheduling_strategy":
-                 PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i)}
+                {"num_gpus": share, "resources": dict(cfg.ray_resources) if own else {},
+                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                     placement, placement_group_bundle_index=i // per_gpu)}
                 for i in range(cfg.num_engines)
             ]  # fmt: skip
         self.actors = [
@@ -198,8 +215,15 @@ class EngineGroup:
         self.urls: list[str] = []
 
     def start(self) -> list[str]:
-        self.urls = ray.get([a.start.remote() for a in self.actors],
-                            timeout=self.cfg.startup_timeout_s + 30)  # fmt: skip
+        """All engines; those sharing a GPU one after the other (engine i in wave i % per GPU):
+        vLLM sizes its KV cache from the GPU memory it sees in use while it profiles, so an
+        engine starting beside another counts that one's allocations as its own."""
+        urls: dict[int, str] = {}
+        for starting in start_waves(self.cfg.num_engines, self.cfg.engines_per_gpu):
+            started = ray.get([self.actors[i].start.remote() for i in starting],
+                              timeout=self.cfg.startup_timeout_s + 30)  # fmt: skip
+            urls.update(zip(starting, started, strict=True))
+        self.urls = [urls[i] for i in range(self.cfg.num_engines)]
         return self.urls
 
     def check(self) -> None:
@@ -226,3 +250,5 @@ class EngineGroup:
         finally:
             for actor in self.actors:
                 ray.kill(actor)
+            if self.own_placement is not None:
+                ray.util.remove_placement_group(self.own_placement)

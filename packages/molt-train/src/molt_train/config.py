@@ -383,10 +383,12 @@ def validate_colocation(cfg: RunConfig) -> None:
     if backend not in ("auto", "molt_ipc"):
         raise ValueError(f"--train.colocate with --refit.backend {backend}: the engine shares "
                          "the trainer's GPU, so weights go over CUDA IPC; use auto or molt_ipc")  # fmt: skip
-    if vllm.num_engines != 1 or vllm.tensor_parallel_size * vllm.data_parallel_size != 1:
+    if (vllm.num_engines != vllm.engines_per_gpu
+            or vllm.tensor_parallel_size * vllm.data_parallel_size != 1):  # fmt: skip
         raise ValueError(
-            "--train.colocate runs one engine on one GPU beside the trainer's rank 0 (CUDA-IPC "
-            "handles come from rank 0's GPU): use --vllm.num_engines 1, "
+            "--train.colocate runs its engines on one GPU beside the trainer's rank 0 (CUDA-IPC "
+            "handles come from rank 0's GPU): use --vllm.num_engines equal to "
+            "--vllm.engines_per_gpu (1, or 2 for a small model: docs/rollout.md), "
             "--vllm.tensor_parallel_size 1, --vllm.data_parallel_size 1"
         )
 
@@ -457,7 +459,9 @@ def model_ranks(cfg: RunConfig) -> list[int]:
 def validate_devices(cfg: RunConfig, cluster_gpus: int) -> None:
     """What depends on the cluster's GPUs (0 on CPU): checked once Ray knows them."""
     ranks = model_ranks(cfg)
-    engine_gpus = cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size * cfg.vllm.data_parallel_size
+    vllm = cfg.vllm
+    engine_gpus = (vllm.num_engines * vllm.tensor_parallel_size * vllm.data_parallel_size
+                   // vllm.engines_per_gpu)  # fmt: skip
     # Colocated roles and the engine share bundles; otherwise every rank has a GPU of its own.
     gpus_wanted = max(ranks) if cfg.train.colocate else sum(ranks) + engine_gpus
     try:
@@ -467,7 +471,8 @@ def validate_devices(cfg: RunConfig, cluster_gpus: int) -> None:
         if cluster_gpus and gpus_wanted > cluster_gpus:
             raise ValueError(
                 f"the run asks for {gpus_wanted} GPUs (--actor.num_workers, --vllm.num_engines "
-                "x --vllm.tensor_parallel_size x --vllm.data_parallel_size, --ref.num_workers, "
+                "x --vllm.tensor_parallel_size x --vllm.data_parallel_size / "
+                "--vllm.engines_per_gpu, --ref.num_workers, "
                 f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
             )
         validate_actor_devices(cfg.actor, cfg.fsdp, cluster_gpus)
