@@ -10,30 +10,17 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from molt_capture import CaptureServer
-from molt_capture.testing import ADD_TOOL, ADD_TOOL_ANTHROPIC, FakeCall, assert_token_exact
-
-
-class RecordingGenerator:
-    """Wraps the real token client and records each call the way the test support expects."""
-
-    def __init__(self, service):
-        self.service, self.client, self.calls = service, None, []
-
-    async def __call__(self, token_ids, params, session_id):
-        if self.client is None:  # created inside the capture server's event loop
-            self.client = self.service.token_client()
-        call = FakeCall(list(token_ids), params, session_id)
-        call.generation = await self.client(token_ids, params, session_id)
-        self.calls.append(call)
-        return call.generation
-
-    def calls_for(self, session_id):
-        return [c for c in self.calls if c.session_id == session_id]
+from molt_capture.testing import (
+    ADD_TOOL,
+    ADD_TOOL_ANTHROPIC,
+    RecordingGenerator,
+    assert_token_exact,
+)
 
 
 @pytest.fixture(scope="module")
 def capture(rollout, tiny_model):
-    generator = RecordingGenerator(rollout)
+    generator = RecordingGenerator(rollout.token_client)  # made in the server's loop
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
     with CaptureServer(tokenizer, generator, parser="qwen3") as server:
         yield server, generator

@@ -188,24 +188,16 @@ def test_trained_ids_are_the_generated_ids(colocated):
     import ray
     from transformers import PreTrainedTokenizerFast
 
-    from molt_capture.testing import FakeCall, assert_token_exact
+    from molt_capture.testing import RecordingGenerator, assert_token_exact
     from molt_rollout.config import RolloutConfig
     from molt_rollout.env_runner import EnvRunner
     from molt_train.packing import Sample, pack
 
     service, trainer = colocated
     ray.get(trainer.refit.remote(30, noise=0.0), timeout=300)
-    calls: list[FakeCall] = []
+    recorded = RecordingGenerator(service.token_client)
 
     async def rollout():
-        client = service.token_client()
-
-        async def recorded(token_ids, params, session_id, images=()):
-            call = FakeCall(list(token_ids), params, session_id)
-            call.generation = await client(token_ids, params, session_id, images)
-            calls.append(call)
-            return call.generation
-
         class Runner(EnvRunner):
             env_class = TwoTurns
 
@@ -215,9 +207,11 @@ def test_trained_ids_are_the_generated_ids(colocated):
         try:
             return await Runner(recorded, tokenizer, config, True).run(row, "r0", "g0")
         finally:
-            await client.aclose()
+            if recorded.generator is not None:
+                await recorded.generator.aclose()
 
     result = asyncio.run(rollout())
+    calls = recorded.calls
     assert len(calls) == 2 and result.reward == 1.0
     assert_token_exact(result.segments, calls)
     [seg] = result.segments

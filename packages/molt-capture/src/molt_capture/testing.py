@@ -39,6 +39,26 @@ class FakeCall:
     generation: Generation | None = None
 
 
+class RecordingGenerator:
+    """A real generator (the runners' token client, say) that records each call as a FakeCall
+    for `assert_token_exact`. `make` builds it at the first call, inside the event loop that
+    uses it (an aiohttp client belongs to one loop); `generator` is it from then on."""
+
+    def __init__(self, make: Callable[[], Callable]):
+        self.make, self.generator, self.calls = make, None, []
+
+    async def __call__(self, token_ids, params, session_id, images=()) -> Generation:
+        if self.generator is None:
+            self.generator = self.make()
+        call = FakeCall(list(token_ids), params, session_id)
+        call.generation = await self.generator(token_ids, params, session_id, images)
+        self.calls.append(call)
+        return call.generation
+
+    def calls_for(self, session_id: str) -> list[FakeCall]:
+        return [c for c in self.calls if c.session_id == session_id]
+
+
 class FakeGenerator:
     """Deterministic stand-in for the engine: answers scripted replies as token ids.
 
