@@ -23,10 +23,12 @@ PROMPT = list(range(10, 74))  # 64 token ids
 LONG_GENERATION = 7000  # the engines' max_model_len is 8192
 
 
-def generate(service, token_ids, session, **sampling):
+def generate(service, token_ids, session, cache_salt=None, **sampling):
     """A raw token-in/token-out call through the router (options the TokenClient never sets)."""
     body = {"model": service.model, "token_ids": token_ids,
             "sampling_params": {"max_tokens": 16, "logprobs": 0, **sampling}}  # fmt: skip
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     reply = httpx.post(service.router.url + GENERATE_PATH, json=body,
                        headers={SESSION_HEADER: session}, timeout=120)  # fmt: skip
     reply.raise_for_status()
@@ -134,8 +136,8 @@ def stream_generate(engine_url: str, model: str, length: int) -> dict:
                 continue
             final = json.loads(line.removeprefix("data:"))["choices"][0]
             if not token_ids:
-                httpx.post(
-                    engine_url + "/pause", params={"mode": "keep"}, timeout=30
+                httpx.post(  # as the refitter pauses: requests keep their KV
+                    engine_url + "/pause", params={"mode": "keep", "keep_kv": "true"}, timeout=30
                 ).raise_for_status()
             token_ids += final.get("token_ids") or []
             logprobs += (final.get("logprobs") or {}).get("content") or []
@@ -159,8 +161,11 @@ def test_in_flight_requests_survive_refit_with_two_version_spans(rollout, weight
             deadline = time.monotonic() + 120
             while not paused() and time.monotonic() < deadline:
                 time.sleep(0.01)
+            preempted = [metric(u, "vllm:num_preemptions_total") for u in urls]
             refit_with(rollout, weights)  # pause(keep), transfer, next version, resume
             results = [f.result() for f in futures]
+        # kept with their KV: vLLM's cache reset would have preempted them (fast_pause.py)
+        assert [metric(u, "vllm:num_preemptions_total") for u in urls] == preempted
         for choice in results:
             assert len(choice["token_ids"]) == len(choice["logprobs"]) == length
             spans = choice["weight_versions"]
@@ -221,18 +226,22 @@ def test_an_engine_that_cannot_reach_the_rendezvous_is_named(rollout, weights):
 
 
 def test_no_prefix_cache_reuse_across_refit(rollout, weights):
+    # The refit keeps the engines' KV cache (keep_kv, fast_pause.py); what keeps a request off
+    # blocks of older weights is the salt the token client puts on it, its weight version.
     prompt = list(range(100, 356))  # 256 tokens: many full cache blocks
     session = "cache-session"
     hits = lambda: [metric(u, "vllm:prefix_cache_hits_total") for u in rollout.engines.urls]  # noqa: E731
-    generate(rollout, prompt, session, max_tokens=1)
+    salted = lambda: generate(rollout, prompt, session, max_tokens=1,  # noqa: E731
+                              cache_salt=f"molt-v{current_version(rollout)}")  # fmt: skip
+    salted()
     before = hits()
-    generate(rollout, prompt, session, max_tokens=1)
+    salted()
     reused = [a - b for a, b in zip(hits(), before, strict=True)]
     assert max(reused) >= 128, reused  # control: without a refit the prefix is reused
     engine = reused.index(max(reused))
     refit_with(rollout, weights)
     before = hits()
-    generate(rollout, prompt, session, max_tokens=1)
+    salted()
     after = hits()
     assert after[engine] - before[engine] == 0, "a new request reused KV computed under old weights"
 

@@ -26,15 +26,18 @@ def stand_in(engine_client) -> Starlette:
     return app
 
 
-def engine_client(calls: list):
+def engine_client(calls: list, multimodal: bool | None = None):
     async def pause_scheduler_async(mode, clear_cache):
         calls.append(("pause", mode, clear_cache))
 
     async def clear_mm_cache_async():
         calls.append(("clear_mm_cache",))
 
-    return SimpleNamespace(engine_core=SimpleNamespace(pause_scheduler_async=pause_scheduler_async),
-                           renderer=SimpleNamespace(clear_mm_cache_async=clear_mm_cache_async))  # fmt: skip
+    client = SimpleNamespace(engine_core=SimpleNamespace(pause_scheduler_async=pause_scheduler_async),
+                             renderer=SimpleNamespace(clear_mm_cache_async=clear_mm_cache_async))  # fmt: skip
+    if multimodal is not None:
+        client.model_config = SimpleNamespace(is_multimodal_model=multimodal)
+    return client
 
 
 def post(app, query: str) -> httpx.Response:
@@ -61,6 +64,16 @@ def test_pause_reads_vllms_fields_and_defaults():
     bad = post(app, "?mode=later")
     assert bad.status_code == 400 and "mode must be one of" in bad.json()["error"]
     assert calls == []
+
+
+def test_keep_kv_keeps_a_text_models_cache_only():
+    for multimodal, cleared in ((False, False), (True, True), (None, True)):  # None: unknown
+        calls = []
+        assert post(
+            stand_in(engine_client(calls, multimodal)), "?mode=keep&keep_kv=true"
+        ).json() == {"status": "paused"}
+        assert calls[-1] == ("pause", "keep", cleared), multimodal
+        assert (("clear_mm_cache",) in calls) == cleared
 
 
 def test_an_engine_client_without_the_calls_leaves_pause_to_vllm():

@@ -9,6 +9,14 @@ refit (docs/benchmarks.md). This middleware answers `/pause` with the same two e
 and the same replies, minus the sleep; where the engine client lacks them (another vLLM), it
 leaves the call to vLLM's route. Added to every Molt engine with `--middleware` (config.py).
 
+`keep_kv=true`, Molt's own field (the refitter sends it), keeps the KV cache through the pause.
+vLLM's cache reset preempts every running request, so a request kept across a refit would
+lose its KV and prefill again. Nothing needs the reset: Molt's requests salt the prefix cache
+with the weight version (client.py), so none reuses blocks of older weights. A multimodal
+model is the exception: its encoder outputs depend on the weights and vLLM shares them between
+requests by image hash, unsalted, and drops them safely only with the rest, so for such a model
+`keep_kv` changes nothing. vLLM's own route ignores the field and resets (the safe side).
+
 Standard library only: it runs inside the vLLM server process.
 """
 
@@ -34,6 +42,8 @@ class Pause:
         mode = "wait" if _true(query.get("wait_for_inflight_requests", "false")) else None
         mode = mode or query.get("mode", "abort")  # vLLM's defaults
         clear_cache = _true(query.get("clear_cache", "true"))
+        if _true(query.get("keep_kv", "false")) and not _multimodal(engine):
+            clear_cache = False
         if mode not in MODES:
             return await reply_json(
                 send, 400, {"error": f"mode must be one of {MODES}, got {mode!r}"}
@@ -47,6 +57,11 @@ class Pause:
         except Exception as error:  # as vLLM's route: the reply says why
             return await reply_json(send, 500, {"error": f"Failed to pause generation: {error}"})
         await reply_json(send, 200, {"status": "paused"})
+
+
+def _multimodal(engine) -> bool:
+    """Whether the engine serves a multimodal model; unknown counts as one (clears all)."""
+    return getattr(getattr(engine, "model_config", None), "is_multimodal_model", True)
 
 
 def _true(value: str) -> bool:

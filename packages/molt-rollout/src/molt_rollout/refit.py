@@ -1,7 +1,8 @@
 """Refit: new trainer weights into every engine through vLLM's own weight-transfer protocol.
 
 One refit, for all engines at once, bypassing the router:
-  pause(keep)        in-flight requests stay queued with their KV; nothing is aborted
+  pause(keep)        in-flight requests stay queued with their KV; nothing is aborted or
+                     preempted (a text model keeps its KV cache: fast_pause.py)
   start_weight_update
   update_weights     one call per bucket of tensors, concurrent with the trainer's broadcast
   finish_weight_update(version)   the new version is what tokens report from now on
@@ -257,7 +258,8 @@ class Refitter(EngineSet):
                 f"{error or type(error).__name__}")  # fmt: skip
 
     def pause(self, mode: str = "keep") -> None:
-        self._on_all(lambda e: e.post("/pause", mode=mode))
+        # keep_kv: requests kept across the refit keep their KV (fast_pause.py says when)
+        self._on_all(lambda e: e.post("/pause", mode=mode, keep_kv="true"))
 
     def resume(self) -> None:
         self._on_all(lambda e: e.post("/resume"))
