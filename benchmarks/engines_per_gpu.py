@@ -3,14 +3,14 @@
     python benchmarks/gpu_rollout.py --write /tmp/q3r          # the model and prompts
     python benchmarks/engines_per_gpu.py --model /tmp/q3r --engines 1 2 --out $OUT
 
-Why: with each sampled token's log-prob asked (as Molt asks), one vLLM 0.26 engine on an H200
-is bound by its two processes' CPU (the API server busy 90-95% of the batch, the engine core
-67-78%; docs/benchmarks.md, H200 run4), not by the GPU, which decodes 1.7x faster when no
-log-prob is asked. Several engines on one GPU each bring their own two processes. This starts
-k servers at once on the same GPU sharing the memory one engine gets (`gpu_rollout.MEMORY`,
-the colocated default; each gets an explicit KV cache size), sends the same prompts x samples round-robin
-over them all at once (aiohttp, as the runners), with and without the log-prob, and prints
-the total generated tokens/s for each k and its ratio to k = 1, all in one run.
+Why: with each sampled token's log-prob asked (as Molt asks), one vLLM 0.26 engine on an H200 is
+bound by its two processes' CPU (the API server busy 90-95% of the batch, the engine core 67-78%;
+docs/benchmarks.md, H200 run4), not by the GPU, which decodes 1.7x faster when no log-prob is
+asked. Several engines on one GPU each bring their own two processes. This starts k servers at once
+on the same GPU sharing the memory one engine gets (`gpu_rollout.MEMORY`, the colocated default;
+each gets an explicit KV cache size), sends the same prompts x samples round-robin over them all at
+once (aiohttp, as the runners), with and without the log-prob, and prints the total generated
+tokens/s for each k and its ratio to k = 1, all in one run.
 """
 
 import argparse
@@ -60,7 +60,8 @@ def main() -> None:
         base = results[args.engines[0]]
         ratio = {key: row[key] / base[key] for key in row}
         print(f"{k} engine(s): {row['plain']:8.0f} tokens/s plain ({ratio['plain']:.2f}x), "
-              f"{row['logprobs']:8.0f} with the log-prob ({ratio['logprobs']:.2f}x)", flush=True)  # fmt: skip
+              f"{row['logprobs']:8.0f} with the log-prob ({ratio['logprobs']:.2f}x)",
+              flush=True)  # fmt: skip
         (args.out / "engines_per_gpu.json").write_text(json.dumps(results, indent=2))
 
 

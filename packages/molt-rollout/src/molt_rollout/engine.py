@@ -174,8 +174,8 @@ def start_waves(num_engines: int, per_gpu: int) -> list[range]:
 
 
 class EngineGroup:
-    """The run's engines, started together (see `start`); `check()` raises EngineError for a dead one,
-    `restart(i)` replaces engine i's server.
+    """The run's engines, started together (see `start`); `check()` raises EngineError for a
+    dead one, `restart(i)` replaces engine i's server.
 
     `placement`: a Ray placement group of one-GPU bundles shared with the trainer
     (--train.colocate); engine i then takes its share of bundle i // engines_per_gpu's GPU,
