@@ -25,12 +25,16 @@ def rl_algo(entropy_coef: float = 0.0):
 
 
 @contextlib.contextmanager
-def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False):
+def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False,
+             logits=False):  # fmt: skip
     """Levers on the worker, as patches of molt_train.model_worker's and token_stats' globals
     (restored after). attn=None keeps the worker's own attention (molt_documents on GPU since
-    the levers)."""
+    the levers). `logits`: the microbatch's [T, V] logits materialised in the compute dtype
+    where they carry a gradient, for molt_algos' `logprobs_from_logits` (no recompute in
+    backward: 3 LM-head GEMMs instead of 4, T·V·2 bytes kept; forward-only stays chunked)."""
     import molt_train.model_worker as wm
     import molt_train.token_stats as ts
+    from molt_algos.logprobs import logprobs_from_logits
 
     orig_lp, orig_pack = ts.token_logprobs_and_entropy, wm.pack
     compute = wm.DTYPES[worker.cfg.dtype] if worker.on_gpu else torch.float32
@@ -38,6 +42,11 @@ def rl_patch(worker, bf16_head=False, skip_entropy=False, attn=None, align=False
     def logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy):
         if bf16_head and hidden.dtype != compute:
             hidden, weight = hidden.to(compute), weight.to(compute)
+        if logits and torch.is_grad_enabled() and hidden.requires_grad:
+            skip = skip_entropy and with_entropy
+            lp, ent = logprobs_from_logits(hidden @ weight.T, targets, temperature, chunk_size,
+                                           with_entropy and not skip)  # fmt: skip
+            return lp, torch.zeros_like(lp) if skip else ent
         if align:  # backward's vocabulary slice width ceil(chunk V / T) a multiple of 8 (16 B)
             n, vocab, c = hidden.numel() // hidden.shape[-1], weight.shape[0], chunk_size
             while math.ceil(c * vocab / max(n, 1)) % 8 and c < chunk_size + 4096:
@@ -79,6 +88,9 @@ RL_VARIANTS = {
     "rl+auto-noent": dict(bf16_head=True, attn="molt_auto", skip_entropy=True),
     "rl+auto-align": dict(bf16_head=True, attn="molt_auto", align=True),
     "rl+auto-align-noent": dict(bf16_head=True, attn="molt_auto", align=True, skip_entropy=True),
+    # the real code plus materialised logits in the training step (issue 12, after-4's gap)
+    "rl+logits": dict(logits=True),
+    "rl+logits-noent": dict(logits=True, skip_entropy=True),
 }
 
 
