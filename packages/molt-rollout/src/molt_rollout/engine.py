@@ -167,6 +167,16 @@ class EngineActor:
 COLOCATED_GPU_SHARE = 0.5  # Ray's bookkeeping only: memory is --vllm.gpu_memory_utilization
 
 
+def gpu_bundles(n: int, resources: dict[str, float] | None = None):
+    """A Ray placement group of `n` one-GPU bundles (each with `resources` too) on as few nodes
+    as possible, ready (the trainer's colocated bundles, or engines sharing GPUs)."""
+    from ray.util.placement_group import placement_group
+
+    bundles = placement_group([{"GPU": 1, "CPU": 1, **(resources or {})}] * n, strategy="PACK")
+    ray.get(bundles.ready(), timeout=600)
+    return bundles
+
+
 def start_waves(num_engines: int, per_gpu: int) -> list[range]:
     """The engines to start together, wave after wave: engine i shares GPU i // per_gpu, so
     wave w holds those with i % per_gpu == w, one engine of each GPU."""
@@ -185,7 +195,6 @@ class EngineGroup:
     def __init__(self, cfg: VLLMConfig, model: str, transfer_backend: str, log_dir: str,
                  on_gpu: bool, placement=None, adapters: AdapterServing | None = None,
                  network: Network = SINGLE_NODE) -> None:  # fmt: skip
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg, per_gpu = cfg, cfg.engines_per_gpu
@@ -193,10 +202,8 @@ class EngineGroup:
         options = [{"num_gpus": gpus, "resources": dict(cfg.ray_resources)}] * cfg.num_engines
         self.own_placement = None
         if placement is None and per_gpu > 1:
-            bundle = {"GPU": 1, **{k: v * per_gpu for k, v in cfg.ray_resources.items()}}
-            placement = self.own_placement = placement_group(
-                [bundle] * (cfg.num_engines // per_gpu), strategy="PACK"
-            )
+            resources = {k: v * per_gpu for k, v in cfg.ray_resources.items()}
+            placement = self.own_placement = gpu_bundles(cfg.num_engines // per_gpu, resources)
         if placement is not None:
             own = self.own_placement is not None
             share = (1.0 if own else COLOCATED_GPU_SHARE) / per_gpu  # of the bundle's GPU

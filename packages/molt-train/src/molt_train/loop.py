@@ -25,7 +25,7 @@ import ray
 from molt_algos import GROUP_ESTIMATORS, kl_controller
 from molt_rollout import lifeline
 from molt_rollout.data import DataConfig, PromptSource, load_eval_rows
-from molt_rollout.engine import COLOCATED_GPU_SHARE
+from molt_rollout.engine import COLOCATED_GPU_SHARE, gpu_bundles
 from molt_rollout.eval import eval_metrics, eval_rollout_config, run_eval
 from molt_rollout.network import Network
 from molt_rollout.pool import Batch, GroupResult, RolloutPool
@@ -49,7 +49,7 @@ from molt_train.config import (
 from molt_train.experience import correction_metrics, make_experience, reuses_training_forward
 from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.metrics import rollout_metrics, sample_rows
-from molt_train.model_group import ModelGroup, gpu_bundles
+from molt_train.model_group import ModelGroup
 from molt_train.signals import GracefulStop, Stopped
 
 

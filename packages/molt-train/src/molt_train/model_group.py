@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from molt_algos import GROUP_AGGREGATIONS
+from molt_rollout.engine import gpu_bundles
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, plan_microbatches, unplan
@@ -22,17 +23,6 @@ if TYPE_CHECKING:
 
 Role = Literal["policy", "reference", "critic"]
 SHUTDOWN_TIMEOUT_S = 10.0  # then the workers are killed (a healthy rank needs about 1 s)
-
-
-def gpu_bundles(n: int, resources: dict[str, float] | None = None):
-    """A Ray placement group of `n` one-GPU bundles (each with `resources` too) on as few nodes
-    as possible, ready."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundles = placement_group([{"GPU": 1, "CPU": 1, **(resources or {})}] * n, strategy="PACK")
-    ray.get(bundles.ready(), timeout=600)
-    return bundles
 
 
 def group_token_counts(samples: list[Sample], groups: list | None) -> tuple[int, list[int]]:
