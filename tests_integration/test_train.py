@@ -192,8 +192,9 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
         wait_for(run, "checkpoints/step_00000003", process)
         tree, ports = run_processes(process)
         assert any("vllm" in " ".join(p.cmdline()) for p in tree)  # the engine is among them
-        process.kill()
-        process.wait()
+        (driver,) = psutil.Process(process.pid).children()  # the command's own process forks it
+        driver.kill()
+        assert process.wait(timeout=30) == 128 + signal.SIGKILL  # the command reports its end
         assert_nothing_left(tree, ports, within_s=10)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -214,7 +215,8 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
-    """SIGTERM (Slurm, containers) and SIGINT (Ctrl-C): the step in progress finishes, its
+    """SIGTERM (Slurm, containers, `timeout`) and SIGINT (Ctrl-C), sent to the command's whole
+    process group as a terminal and `timeout` send them: the step in progress finishes, its
     checkpoint is written, the outputs are printed, the exit code is 128 + the signal, there is
     no traceback, and nothing of the run is left."""
     run = tmp_path / sig.name
@@ -222,7 +224,7 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
     try:
         wait_for(run, "metrics.jsonl", process)
         tree, ports = run_processes(process)
-        process.send_signal(sig)
+        os.killpg(process.pid, sig)
         process.wait(timeout=120)
         out, err = output(run)
         assert process.returncode == 128 + sig, err[-3000:]

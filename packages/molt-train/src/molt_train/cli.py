@@ -26,6 +26,7 @@ from typing import Any
 import tyro
 
 from molt_train.config import RunConfig, StartupError
+from molt_train.own_session import run_in_own_session
 
 # `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with
 # settings that learn it on CPU in a few minutes. Flags given after `quickstart` override these.
@@ -59,6 +60,13 @@ def parse(argv: list[str], config_type: type = RunConfig, default=None):
         argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
     argv = normalise_bools(argv, bool_flags(config_type))
     return tyro.cli(config_type, args=argv, prog="molt-train", default=default, **_TYRO_STYLE)
+
+
+def command() -> None:
+    """The `molt-train` program: `main` in a session of its own (molt_train.own_session says why).
+    Python callers run `main` in place."""
+    run_in_own_session()
+    main()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,4 +251,4 @@ def write_flags_doc(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command()
