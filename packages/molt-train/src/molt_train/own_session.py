@@ -1,16 +1,16 @@
 """The `molt-train` command's process: the run in a session of its own, under a parent that
 passes signals on.
 
-A terminal's Ctrl-C, `timeout` and many job runners signal a whole process group. The run's
-Ray processes (its GCS, raylet and workers) share the driver's group, so they would take that
-signal as well and go down while the driver still needs them to finish its step, checkpoint and
-shut down: on the H200 a group SIGTERM left the driver waiting 60 s on its lost GCS, with the
-GPU's memory held, and on CPU `ray.shutdown()` took 8 s instead of 1.4 s. So the command forks
-first thing: the child runs the driver in a new session, out of reach of group signals; the
-parent stays in the caller's group, passes each SIGINT and SIGTERM on to the child alone (a
-SIGHUP, the terminal closing, as SIGTERM: a stop that saves), and exits with the child's status (128 + N if signal N ended it). If the parent itself
-is killed the child gets SIGTERM (PR_SET_PDEATHSIG) and stops as it would for that signal.
-Whatever the driver leaves when it dies is ended by its own reaper (`lifeline.reap_descendants`).
+A terminal's Ctrl-C, `timeout` and many job runners signal a whole process group. The run's Ray
+processes (its GCS, raylet and workers) share the driver's group, so they would take the signal
+too and go down while the driver still needs them to finish its step, save and shut down: on
+the H200 a group SIGTERM left the driver waiting 60 s on its lost GCS with the GPU's memory
+held (docs/benchmarks.md, "H200 run7"). So the command forks first thing: the child runs the
+driver in a new session, out of reach of group signals; the parent stays in the caller's group,
+passes each SIGINT and SIGTERM on to the child alone (SIGHUP, the terminal closing, as SIGTERM:
+a stop that saves) and exits with the child's status, 128 + N if signal N ended it. A killed
+parent stops the child with SIGTERM (PR_SET_PDEATHSIG). What a dying driver leaves is ended by
+its own reaper (`molt_rollout.lifeline.reap_descendants`).
 """
 
 from __future__ import annotations
