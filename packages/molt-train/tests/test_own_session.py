@@ -44,11 +44,14 @@ time.sleep(60)
 
 
 @pytest.fixture
-def launched(tmp_path):
-    """(the command's process, its log, the driver's pid, the group member's pid)."""
+def launched(tmp_path, request):
+    """(the command's process, its log, the driver's pid, the group member's pid). Parametrised
+    indirectly: the signal the command starts with ignored, as a shell's background job does."""
     log = tmp_path / "signals.log"
+    ignored = getattr(request, "param", None)
     command = subprocess.Popen([sys.executable, "-c", PROGRAM, str(log), MEMBER],
-                               start_new_session=True)  # fmt: skip
+                               start_new_session=True,
+                               preexec_fn=ignored and (lambda: signal.signal(ignored, signal.SIG_IGN)))  # fmt: skip
     deadline = time.monotonic() + 30
     while "ready" not in (log.read_text() if log.exists() else ""):
         assert command.poll() is None and time.monotonic() < deadline
@@ -80,6 +83,16 @@ def test_a_group_signal_reaches_the_driver_alone(launched, sig):
     command, log, _, _ = launched
     os.killpg(command.pid, sig)
     assert records(log, 1) == [f"driver {sig.name}"]
+    assert command.wait(timeout=10) == 3
+
+
+@pytest.mark.parametrize("launched", [signal.SIGINT], indirect=True, ids=["SIGINT-ignored"])
+def test_a_group_sigint_reaches_the_driver_of_a_background_job(launched):
+    """A shell starts a background job with SIGINT ignored; the driver's own handler takes it
+    all the same, so the command passes it on."""
+    command, log, _, _ = launched
+    os.killpg(command.pid, signal.SIGINT)
+    assert records(log, 1) == ["driver SIGINT"]
     assert command.wait(timeout=10) == 3
 
 

@@ -46,7 +46,9 @@ def _wait_and_exit(child: int) -> typing.NoReturn:
             os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
     for signum in FORWARDED:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # `nohup`'s SIGHUP stays ignored
+        # Always SIGINT and SIGTERM, as the driver's own handlers take them even where they
+        # came in ignored (a shell's background job ignores SIGINT); `nohup`'s SIGHUP stays so.
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, forward)
     _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
     code = os.waitstatus_to_exitcode(status)
