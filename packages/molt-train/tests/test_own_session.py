@@ -46,12 +46,17 @@ time.sleep(60)
 @pytest.fixture
 def launched(tmp_path, request):
     """(the command's process, its log, the driver's pid, the group member's pid). Parametrised
-    indirectly: the signal the command starts with ignored, as a shell's background job does."""
+    indirectly: {signal: disposition} the command starts with (a shell's background job ignores
+    SIGINT, `nohup` SIGHUP), SIGHUP's default otherwise (whatever ran pytest may ignore it)."""
     log = tmp_path / "signals.log"
-    ignored = getattr(request, "param", None)
+    dispositions = {signal.SIGHUP: signal.SIG_DFL, **getattr(request, "param", {})}
+
+    def start() -> None:
+        for signum, disposition in dispositions.items():
+            signal.signal(signum, disposition)
+
     command = subprocess.Popen([sys.executable, "-c", PROGRAM, str(log), MEMBER],
-                               start_new_session=True,
-                               preexec_fn=ignored and (lambda: signal.signal(ignored, signal.SIG_IGN)))  # fmt: skip
+                               start_new_session=True, preexec_fn=start)  # fmt: skip
     deadline = time.monotonic() + 30
     while "ready" not in (log.read_text() if log.exists() else ""):
         assert command.poll() is None and time.monotonic() < deadline
@@ -86,7 +91,8 @@ def test_a_group_signal_reaches_the_driver_alone(launched, sig):
     assert command.wait(timeout=10) == 3
 
 
-@pytest.mark.parametrize("launched", [signal.SIGINT], indirect=True, ids=["SIGINT-ignored"])
+@pytest.mark.parametrize("launched", [{signal.SIGINT: signal.SIG_IGN}], indirect=True,
+                         ids=["SIGINT-ignored"])  # fmt: skip
 def test_a_group_sigint_reaches_the_driver_of_a_background_job(launched):
     """A shell starts a background job with SIGINT ignored; the driver's own handler takes it
     all the same, so the command passes it on."""
@@ -101,6 +107,15 @@ def test_a_hangup_stops_the_driver_as_sigterm_does(launched):
     command.send_signal(signal.SIGHUP)
     assert records(log, 1) == ["driver SIGTERM"]
     assert command.wait(timeout=10) == 3
+
+
+@pytest.mark.parametrize("launched", [{signal.SIGHUP: signal.SIG_IGN}], indirect=True,
+                         ids=["nohup"])  # fmt: skip
+def test_under_nohup_a_hangup_leaves_the_run_going(launched):
+    command, log, _, _ = launched
+    command.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert command.poll() is None and log.read_text().splitlines()[1:] == []
 
 
 def test_a_killed_driver_ends_the_command_with_128_plus_the_signal(launched):
