@@ -115,6 +115,7 @@ def test_refit_changes_generation_and_restores(rollout, weights):
     timings = refit_with(rollout, perturbed)
     assert timings["refit/buckets"] > 1  # 1 MiB buckets: several calls, not one per tensor
     assert all(timings[f"timing/refit_{p}"] >= 0 for p in ("pause", "transfer", "finish", "resume"))
+    assert 0 < timings["timing/refit_transfer_engines"] <= timings["timing/refit_transfer"]
     changed = generate(rollout, PROMPT, "refit", **greedy)
     assert changed["token_ids"] != original["token_ids"]
     assert [s["version"] for s in changed["weight_versions"]] == [str(start + 1)]

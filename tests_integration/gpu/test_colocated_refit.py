@@ -168,6 +168,7 @@ def test_refit_timings_are_reported(colocated):
     for t in times:
         for phase in ("pause", "start", "transfer", "finish", "resume", "total"):
             assert t[f"timing/refit_{phase}"] >= 0
+        assert 0 < t["timing/refit_transfer_engines"] <= t["timing/refit_transfer"]
     print("refit timings (tiny model):", times[-1])
 
 

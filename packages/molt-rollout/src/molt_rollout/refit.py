@@ -290,11 +290,13 @@ class Refitter(EngineSet):
         self._on_all(lambda e: e.post("/start_weight_update"))
         lap("start")
         num_buckets = num_bytes = 0
+        waited = 0.0  # of the transfer, on the engines' loads (and the wire)
         for meta, tensors in iter_buckets(named_tensors, self.cfg.bucket_mb << 20):
-            self._send_bucket(meta, tensors)
+            waited += self._send_bucket(meta, tensors)
             num_buckets += 1
             num_bytes += sum(t.nbytes for t in tensors)
         lap("transfer")
+        times["timing/refit_transfer_engines"] = waited
         self._on_all(lambda e: e.post("/finish_weight_update", {"weight_version": str(version)}))
         lap("finish")
         self.resume()
@@ -311,14 +313,18 @@ class Refitter(EngineSet):
             self.last_unupdated = unchanged
         return times
 
-    def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor]) -> None:
+    def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor]) -> float:
+        """Returns the seconds from the bucket's dispatch to the engines' replies: the rest of
+        its time is the trainer's (gather, cast, pack; the IPC buffer's fill is synchronised)."""
         # Workers block inside update_weights until the broadcast arrives: run both at once.
         update = {"update_info": {**asdict(meta), **self.transport.bucket_fields(tensors)}}
+        start = time.perf_counter()
         futures = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
         self.transport.send(tensors)
         for future in futures:
             future.result(timeout=self.cfg.timeout_s)
         self.transport.sent()
+        return time.perf_counter() - start
 
     def release(self) -> None:
         """End this weight-transfer group on every engine still running, so a new Refitter can
