@@ -75,10 +75,11 @@ def _reap(owner: int) -> int:
     return 0
 
 
-def _end_with_parent() -> None:
-    """In the server, before it starts: SIGTERM when the lifeline dies. Ray SIGKILLs an actor's
-    children when the actor ends, lifelines included, which then cannot stop their servers
-    (seen on the H200: an engine outlived its test session with 28 GB of the GPU)."""
+def end_with_parent() -> None:
+    """SIGTERM to the calling process when its parent dies. In a server, before it starts: Ray
+    SIGKILLs an actor's children when the actor ends, lifelines included, which then cannot
+    stop their servers (seen on the H200: an engine outlived its test session with 28 GB of the
+    GPU). Also the `molt-train` driver under its command's process (molt_train.own_session)."""
     if sys.platform == "linux":
         import ctypes
 
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    child = subprocess.Popen(command, preexec_fn=_end_with_parent)  # inherits this group
+    child = subprocess.Popen(command, preexec_fn=end_with_parent)  # inherits this group
     while child.poll() is None and not stopping and _alive(owner):
         time.sleep(POLL_S)
     if not stopping:  # the owner is gone: nobody waits for a graceful end

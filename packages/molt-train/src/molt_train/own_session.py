@@ -21,7 +21,7 @@ import signal
 import sys
 import typing
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+from molt_rollout.lifeline import end_with_parent
 
 
 def run_in_own_session() -> None:
@@ -33,7 +33,7 @@ def run_in_own_session() -> None:
     child = os.fork()
     if child == 0:
         os.setsid()
-        _signal_when_parent_dies(signal.SIGTERM)
+        end_with_parent()
         if os.getppid() != parent:  # the parent died before the line above took effect
             os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -45,18 +45,12 @@ def _wait_and_exit(child: int) -> typing.NoReturn:
         with contextlib.suppress(ProcessLookupError):  # it has just ended: waitpid returns
             os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    for signum in FORWARDED:
-        # Always SIGINT and SIGTERM, as the driver's own handlers take them even where they
-        # came in ignored (a shell's background job ignores SIGINT); `nohup`'s SIGHUP stays so.
-        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, forward)
+    # SIGINT and SIGTERM even where they came in ignored (a shell's background job ignores
+    # SIGINT): the driver's own handlers take them. `nohup`'s ignored SIGHUP stays ignored.
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, forward)
     _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
     code = os.waitstatus_to_exitcode(status)
     os._exit(128 - code if code < 0 else code)
-
-
-def _signal_when_parent_dies(signum: int) -> None:
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
