@@ -9,12 +9,15 @@ the checkpoint on the same GPU in bf16. Each round refits with every variant in 
 the same `Refitter` (pause, start, buckets, finish, resume):
   vllm      vLLM 0.26's IPC message: a fresh handle per tensor, pickled into the HTTP call (what
             Molt sent before), `--buckets-mb` per call;
-  molt      Molt's (ipc_transport.py): each bucket copied into one staging buffer shared once,
-            loaded in place where the model allows it (a dense unquantized one does), else by
-            vLLM's layerwise reload as the vllm variant always is.
-Each variant refits twice in a row per round and the second is timed (the engine keeps one
-staging buffer mapped, as in a run). It prints each variant's median phases over the rounds
-after the first and the ratio of pause->resume times, then checks that every variant leaves
+  molt      Molt's (ipc_transport.py): each bucket copied into one of two staging buffers, each
+            shared once, packed while the engine loads the bucket before, loaded in place where
+            the model allows it (a dense unquantized one does), else by vLLM's layerwise reload
+            as the vllm variant always is;
+  serial    Molt's before the pipeline: one staging buffer, each bucket packed after the
+            engine answered the one before.
+Each variant refits twice in a row per round and the second is timed (the engine keeps its
+staging buffers mapped, as in a run). It prints each variant's median phases over the rounds
+after the first and the ratios of pause->resume times, then checks that every variant leaves
 the engine serving the same weights (greedy log-probs equal bit for bit after each one's refit
 of the same perturbed checkpoint), and times the parts of a molt refit alone (`breakdown`).
 """
@@ -55,6 +58,9 @@ class VllmIpcTransport:
         from torch.multiprocessing.reductions import reduce_tensor
 
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        # The bucket before's tensors, freed once the engine released them (its reply came).
+        self.held = []
+        torch.cuda.ipc_collect()
         self.held = [t.detach().contiguous() for t in tensors]
         torch.cuda.current_stream().synchronize()
         handles = [{uuid: reduce_tensor(t)[1]} for t in self.held]
@@ -64,9 +70,23 @@ class VllmIpcTransport:
     def send(self, tensors: list[torch.Tensor]) -> None:
         pass
 
-    def sent(self) -> None:
-        self.held = []
-        torch.cuda.ipc_collect()
+
+def serial_refitter(*args, **kwargs):
+    """Molt's refit before the pipeline (the baseline of `molt`): one staging buffer, and each
+    bucket's replies awaited before the next bucket is packed."""
+    from molt_rollout.refit import IpcTransport, Refitter
+
+    class OneBuffer(IpcTransport):
+        SLOTS = 1
+
+    class Serial(Refitter):
+        def _send(self, update, tensors):
+            replies, seconds = super()._send(update, tensors)
+            return [], seconds + self._wait(replies)
+
+    refitter = Serial(*args, **kwargs)
+    refitter.transport = OneBuffer()
+    return refitter
 
 
 def greedy_logprobs(url: str, model: str) -> list[float]:
@@ -105,10 +125,9 @@ def breakdown(refitter, named: dict[str, torch.Tensor], mb: int, repeats: int = 
     packer = IpcTransport()
     buckets = [tensors for _, tensors in iter_buckets(iter(named.items()), mb << 20)]
     result["pack_all_ms"] = ms(lambda: [packer.bucket_fields(b) for b in buckets])
-    packer.staging = None
-    empty = {
-        "update_info": {**dataclasses.asdict(BucketMeta()), "buffer": refitter.transport.shared}
-    }
+    packer.staging = [None] * packer.SLOTS  # freed before the engine is timed
+    buffer = refitter.transport.shared[0]
+    empty = {"update_info": {**dataclasses.asdict(BucketMeta()), "buffer": buffer}}
     refitter.pause("keep")
     refitter._on_all(lambda e: e.post("/start_weight_update"))
     try:
@@ -150,9 +169,9 @@ def main() -> None:
                      for k, v in original.items()}  # fmt: skip
         variants: dict[str, Refitter] = {}
         for mb in args.buckets_mb:
-            for kind in ("vllm", "molt"):
-                refitter = Refitter([url], 1, RefitConfig(bucket_mb=mb), on_gpu=True,
-                                    colocated=True)  # fmt: skip
+            for kind in ("vllm", "serial", "molt"):
+                make = serial_refitter if kind == "serial" else Refitter
+                refitter = make([url], 1, RefitConfig(bucket_mb=mb), on_gpu=True, colocated=True)
                 if kind == "vllm":
                     refitter.transport = VllmIpcTransport()
                 refitter.init_transfer()
@@ -161,8 +180,8 @@ def main() -> None:
         version = 0
         for _ in range(args.rounds):
             for name, refitter in variants.items():
-                # The engine keeps one staging buffer mapped: the untimed refit maps this
-                # variant's, as the one buffer of a run stays mapped from its first refit on.
+                # The engine keeps two staging buffers mapped: the untimed refit maps this
+                # variant's, as the buffers of a run stay mapped from its first refit on.
                 refitter.refit(iter(original.items()), version := version + 1)
                 times[name].append(refitter.refit(iter(original.items()), version := version + 1))
         base = greedy_logprobs(url, str(args.model))
@@ -191,11 +210,12 @@ def main() -> None:
             result["variants"][f"molt-{mb}MB"]["breakdown"] = parts
             print(f"molt-{mb}MB breakdown", json.dumps(parts), flush=True)
         for mb in args.buckets_mb:
-            old = result["variants"][f"vllm-{mb}MB"]["total"]
             new = result["variants"][f"molt-{mb}MB"]["total"]
-            print(f"refit ratio {old / new:.2f} at {mb} MB buckets (vLLM IPC / Molt IPC, "
-                  f"pause->resume {old * 1e3:.1f} -> {new * 1e3:.1f} ms, "
-                  f"{nbytes / 1e9:.2f} GB)")  # fmt: skip
+            for kind, what in (("vllm", "vLLM IPC"), ("serial", "Molt IPC serial")):
+                old = result["variants"][f"{kind}-{mb}MB"]["total"]
+                print(f"refit ratio {old / new:.2f} at {mb} MB buckets ({what} / Molt IPC, "
+                      f"pause->resume {old * 1e3:.1f} -> {new * 1e3:.1f} ms, "
+                      f"{nbytes / 1e9:.2f} GB)")  # fmt: skip
         (args.out / "refit_ipc.json").write_text(json.dumps(result, indent=2))
     finally:
         server.stop()

@@ -100,12 +100,12 @@ def engine(monkeypatch):
     return make, calls, buffers
 
 
-def update(tensors: dict[str, torch.Tensor], buffers: dict, handle: str) -> dict:
-    """What the trainer sends: the bucket packed into its buffer, named by handle."""
+def update(tensors: dict[str, torch.Tensor], buffers: dict, handle: str, slot: int = 0) -> dict:
+    """What the trainer sends: the bucket packed into a buffer, named by handle and slot."""
     (meta, bucket), = iter_buckets(iter(tensors.items()), bucket_bytes=1 << 20)  # fmt: skip
     buffers.setdefault(handle, torch.zeros(4096, dtype=torch.uint8))
     pack(bucket, out=buffers[handle])
-    return {**vars(meta), "buffer": {"handle": handle}}
+    return {**vars(meta), "buffer": {"handle": handle, "slot": slot}}
 
 
 def test_a_dense_model_loads_views_of_the_buffer_without_the_layerwise_reload(engine):
@@ -121,12 +121,13 @@ def test_a_dense_model_loads_views_of_the_buffer_without_the_layerwise_reload(en
     for name, tensor in model.loaded:
         assert torch.equal(tensor, weights[name])
         assert tensor.untyped_storage().data_ptr() == buffers["h1"].untyped_storage().data_ptr()
-    mapped = eng.staging
     eng.start_weight_update()  # the next refit: the same buffer stays mapped
     eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h1")))
-    assert eng.staging is mapped
-    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h2")))  # it grew
-    assert eng.staging is buffers["h2"]
+    assert eng.staging == {0: ("h1", buffers["h1"])}
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h2", slot=1)))
+    assert eng.staging == {0: ("h1", buffers["h1"]), 1: ("h2", buffers["h2"])}
+    eng.receive_weights(eng.parse_update_info(update(weights, buffers, "h3")))  # slot 0 grew
+    assert eng.staging == {0: ("h3", buffers["h3"]), 1: ("h2", buffers["h2"])}
 
 
 def test_a_moe_model_takes_copies_through_the_layerwise_reload(engine):
@@ -200,6 +201,21 @@ def test_later_refits_replay_the_loaders_copies(engine):
     assert_loaded(model, weights)
     assert model.calls == 2
     assert calls == []
+
+
+def test_each_slot_keeps_its_own_replay(engine):
+    """The trainer's two buffers in turn: a layout's copies are recorded once per slot (its
+    sources are views of that slot's buffer), and a slot replaced keeps the other's plans."""
+    make, _, buffers = engine
+    model = FusedModel()
+    eng = make(model)
+    for seed, (handle, slot, calls) in enumerate(
+        [("a", 0, 1), ("b", 1, 2), ("a", 0, 2), ("b", 1, 2), ("c", 1, 3), ("a", 0, 3)]
+    ):
+        weights = fused_weights(seed)
+        eng.receive_weights(eng.parse_update_info(update(weights, buffers, handle, slot)))
+        assert_loaded(model, weights)
+        assert model.calls == calls, (handle, slot)
 
 
 def double_head(model):

@@ -2,9 +2,10 @@
 
 vLLM's own `ipc` backend shares every tensor of every refit by a fresh CUDA-IPC handle, pickled
 over HTTP, and the engine maps and unmaps the trainer's memory for each one. Here the trainer
-copies each bucket into one staging buffer that it shares once; every `update_weights` call
-names the buffer (the same handle each time) and the bucket's layout (buckets.py). The engine
-maps the buffer on first sight and keeps it mapped. A model with nothing computed after
+copies each bucket into one of two staging buffers (slots, used in turn: it fills one while the
+engine loads from the other), each shared once; every `update_weights` call names its buffer
+(the same handle each time) and the bucket's layout (buckets.py). The engine maps each slot's
+buffer on first sight and keeps it mapped until the trainer replaces it. A model with nothing computed after
 loading takes each bucket in place, through its own loader the first time and by replaying
 that loader's copies afterwards; others copy the bucket out and load it through vLLM's
 layerwise reload, like every other backend. The handle travels as plain JSON fields:
@@ -68,21 +69,22 @@ def open_shared(fields: dict, device_index: int) -> torch.Tensor:
 
 @dataclass
 class BufferUpdateInfo(WeightTransferUpdateInfo, BucketMeta):
-    buffer: dict = None  # `share` of the trainer's staging buffer (a default: after BucketMeta's)
+    buffer: dict = (
+        None  # `share` of a staging buffer, with its slot (a default: after BucketMeta's)
+    )
 
 
 class BufferIpcEngine(IPCWeightTransferEngine):
     """vLLM's IPC engine (layerwise reload in start/finish, its per-tensor handles still
     accepted: benchmarks/refit_ipc.py compares the two on one engine) plus updates that name
-    the trainer's staging buffer, kept mapped between refits."""
+    one of the trainer's staging buffers, each kept mapped between refits."""
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.handle: str | None = None
-        self.staging: torch.Tensor | None = None
+        self.staging: dict[int, tuple[str, torch.Tensor]] = {}  # slot: (handle, mapped buffer)
         self.reloading: bool | None = None  # this update's load path, set by its first bucket
-        # per bucket layout: the copies vLLM's loader made from the staging buffer (None: not
-        # replayable), valid while the same buffer stays mapped
+        # per slot and bucket layout: the copies vLLM's loader made from that slot's buffer
+        # (None: not replayable), valid while the same buffer stays mapped
         self.plans: dict[tuple, list | None] = {}
 
     def start_weight_update(self) -> None:
@@ -113,10 +115,13 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         if not ours:  # vLLM's own per-tensor handles
             return super().receive_weights(update_info)
         fields = update_info.buffer
-        if fields["handle"] != self.handle:  # the first bucket, or the trainer grew its buffer
-            self.staging = open_shared(fields, self.device.index)
-            self.handle, self.plans = fields["handle"], {}
-        bucket = self.staging[: update_info.numbytes()]
+        slot = fields["slot"]
+        if self.staging.get(slot, (None,))[0] != fields["handle"]:  # new, or the trainer grew it
+            self.staging.pop(slot, None)  # unmapped first: the trainer frees it at its next growth
+            self.plans = {key: plan for key, plan in self.plans.items() if key[0] != slot}
+            self.staging[slot] = (fields["handle"], open_shared(fields, self.device.index))
+        staging = self.staging[slot][1]
+        bucket = staging[: update_info.numbytes()]
         if self.reloading:  # it holds a layer's tensors until the layer is complete, maybe
             self.model.load_weights(unpack(bucket.clone(), update_info))  # after a refill
             return
@@ -125,10 +130,10 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         # 4 GB refit on an H200: docs/benchmarks.md).
         if not update_info.names:
             return
-        key = (tuple(update_info.names), tuple(update_info.dtype_names),
+        key = (slot, tuple(update_info.names), tuple(update_info.dtype_names),
                tuple(map(tuple, update_info.shapes)))  # fmt: skip
         if key not in self.plans:
-            self.plans[key] = record_copies(self.model, unpack(bucket, update_info), self.staging)
+            self.plans[key] = record_copies(self.model, unpack(bucket, update_info), staging)
         elif self.plans[key] is None:
             self.model.load_weights(unpack(bucket, update_info))
         else:
@@ -137,8 +142,7 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         # The base class's update_weights then synchronizes: the trainer refills after the reply.
 
     def shutdown(self) -> None:
-        self.handle = self.staging = None
-        self.plans = {}
+        self.staging, self.plans = {}, {}
 
 
 class _CopyRecorder(TorchDispatchMode):

@@ -4,7 +4,8 @@ One refit, for all engines at once, bypassing the router:
   pause(keep)        in-flight requests stay queued with their KV; nothing is aborted or
                      preempted (a text model keeps its KV cache: fast_pause.py)
   start_weight_update
-  update_weights     one call per bucket of tensors, concurrent with the trainer's broadcast
+  update_weights     one call per bucket of tensors, concurrent with the trainer's broadcast;
+                     the trainer gathers the next bucket while the engines load this one
   finish_weight_update(version)   the new version is what tokens report from now on
   resume             kept requests continue under the new weights (partial rollout)
 New requests cannot reuse prefix-cache blocks computed under the old weights: the token client
@@ -22,7 +23,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
 from datetime import timedelta
@@ -32,7 +33,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size
+from molt_rollout.buckets import iter_buckets, pack, packed_size
 from molt_rollout.config import RefitConfig
 from molt_rollout.network import SINGLE_NODE, Network, check_reachable, free_port
 from molt_rollout.vllm_compat import nccl_packed_fields
@@ -101,9 +102,6 @@ class GlooTransport:
     def send(self, tensors: list[torch.Tensor]) -> None:
         self.group.broadcast(pack(tensors), 0).wait()
 
-    def sent(self) -> None:
-        pass
-
 
 class NcclTransport:
     """Trainer side of vLLM's NCCL backend (GPU): packed broadcasts from rank 0, one bucket per
@@ -139,23 +137,24 @@ class NcclTransport:
         )  # fmt: skip
         torch.cuda.current_stream().synchronize()
 
-    def sent(self) -> None:
-        pass
-
 
 class IpcTransport:
     """Trainer side of Molt's CUDA-IPC backend (ipc_transport.py), for an engine on the
-    trainer's own GPU: each bucket is copied into one staging buffer, shared with the engine
+    trainer's own GPU: each bucket is copied into a staging buffer, shared with the engine
     once, and named in the `update_weights` call itself (no process group, no rendezvous).
-    The buffer grows to the largest bucket (`--refit.bucket_mb`, or a larger tensor alone)
-    during the first refit and stays allocated for the run."""
+    Two buffers, used in turn, so the trainer gathers and packs the next bucket while the
+    engine loads this one (`Refitter.refit`). Each grows to the largest bucket it holds
+    (`--refit.bucket_mb`, or a larger tensor alone) during the first refit and stays allocated
+    for the run."""
 
     backend = "molt_ipc"
     address = port = None  # no rendezvous: the buffer's handle travels in the HTTP calls
+    SLOTS = 2
 
     def __init__(self) -> None:
-        self.staging: torch.Tensor | None = None
-        self.shared: dict = {}  # ipc_transport.share(self.staging), made once per buffer
+        self.staging: list[torch.Tensor | None] = [None] * self.SLOTS
+        self.shared: list[dict] = [{}] * self.SLOTS  # ipc_transport.share of each, made once
+        self.slot = 0  # the buffer the next bucket goes into
 
     def worker_init_info(self, rank_offset: int) -> dict:
         return {}
@@ -164,23 +163,23 @@ class IpcTransport:
         pass
 
     def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+        """Packs the bucket into the next buffer. The engines are done with that buffer: its
+        last bucket's replies came before the previous bucket was sent."""
         from molt_rollout.ipc_transport import share
 
+        slot, self.slot = self.slot, (self.slot + 1) % self.SLOTS
         needed = packed_size(tensors)
-        if self.staging is None or self.staging.numel() < needed:
-            self.staging = None
+        if self.staging[slot] is None or self.staging[slot].numel() < needed:
+            self.staging[slot] = None
             torch.cuda.ipc_collect()  # frees buffers the engine let go of (at its next map)
-            self.staging = torch.empty(needed, dtype=torch.uint8, device=tensors[0].device)
-            self.shared = share(self.staging)
-        pack(tensors, out=self.staging)
+            self.staging[slot] = torch.empty(needed, dtype=torch.uint8, device=tensors[0].device)
+            self.shared[slot] = {**share(self.staging[slot]), "slot": slot}
+        pack(tensors, out=self.staging[slot])
         torch.cuda.current_stream().synchronize()  # the engine reads it from its own stream
-        return {"buffer": self.shared}
+        return {"buffer": self.shared[slot]}
 
     def send(self, tensors: list[torch.Tensor]) -> None:
-        pass  # the update call carries the buffer; the next bucket refills it after the reply
-
-    def sent(self) -> None:
-        pass
+        pass  # the update call carries the buffer
 
 
 class EngineSet:
@@ -291,10 +290,16 @@ class Refitter(EngineSet):
         lap("start")
         num_buckets = num_bytes = 0
         waited = 0.0  # of the transfer, on the engines' loads (and the wire)
+        replies: list[Future] = []
+        # A bucket is gathered (the iterator) and packed while the engines load the one before.
         for meta, tensors in iter_buckets(named_tensors, self.cfg.bucket_mb << 20):
-            waited += self._send_bucket(meta, tensors)
+            update = {"update_info": {**asdict(meta), **self.transport.bucket_fields(tensors)}}
+            waited += self._wait(replies)
+            replies, seconds = self._send(update, tensors)
+            waited += seconds
             num_buckets += 1
             num_bytes += sum(t.nbytes for t in tensors)
+        waited += self._wait(replies)
         lap("transfer")
         times["timing/refit_transfer_engines"] = waited
         self._on_all(lambda e: e.post("/finish_weight_update", {"weight_version": str(version)}))
@@ -313,17 +318,19 @@ class Refitter(EngineSet):
             self.last_unupdated = unchanged
         return times
 
-    def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor]) -> float:
-        """Returns the seconds from the bucket's dispatch to the engines' replies: the rest of
-        its time is the trainer's (gather, cast, pack; the IPC buffer's fill is synchronised)."""
-        # Workers block inside update_weights until the broadcast arrives: run both at once.
-        update = {"update_info": {**asdict(meta), **self.transport.bucket_fields(tensors)}}
+    def _send(self, update: dict, tensors: list[torch.Tensor]) -> tuple[list[Future], float]:
+        """One bucket to every engine: their replies to come, and the seconds the send took."""
         start = time.perf_counter()
-        futures = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
+        # Workers block inside update_weights until the broadcast arrives: run both at once.
+        replies = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
         self.transport.send(tensors)
-        for future in futures:
-            future.result(timeout=self.cfg.timeout_s)
-        self.transport.sent()
+        return replies, time.perf_counter() - start
+
+    def _wait(self, replies: list[Future]) -> float:
+        """Seconds until every engine answered its last bucket."""
+        start = time.perf_counter()
+        for reply in replies:
+            reply.result(timeout=self.cfg.timeout_s)
         return time.perf_counter() - start
 
     def release(self) -> None:
