@@ -54,20 +54,20 @@ class VllmIpcTransport:
     def connect(self) -> None:
         pass
 
-    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int, dtype) -> dict:
         from torch.multiprocessing.reductions import reduce_tensor
 
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         # The bucket before's tensors, freed once the engine released them (its reply came).
         self.held = []
         torch.cuda.ipc_collect()
-        self.held = [t.detach().contiguous() for t in tensors]
+        self.held = [t.detach().to(dtype or t.dtype).contiguous() for t in tensors]
         torch.cuda.current_stream().synchronize()
         handles = [{uuid: reduce_tensor(t)[1]} for t in self.held]
         return {"packed": False,
                 "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}  # fmt: skip
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
+    def send(self, tensors: list[torch.Tensor], dtype) -> None:
         pass
 
 
@@ -80,8 +80,8 @@ def serial_refitter(*args, **kwargs):
         SLOTS = 1
 
     class Serial(Refitter):
-        def _send(self, update, tensors):
-            replies, seconds = super()._send(update, tensors)
+        def _send(self, update, tensors, dtype):
+            replies, seconds = super()._send(update, tensors, dtype)
             return [], seconds + self._wait(replies)
 
     refitter = Serial(*args, **kwargs)
@@ -97,7 +97,8 @@ def greedy_logprobs(url: str, model: str) -> list[float]:
     return [e["logprob"] for e in reply.json()["choices"][0]["logprobs"]["content"]]
 
 
-def breakdown(refitter, named: dict[str, torch.Tensor], mb: int, repeats: int = 10) -> dict:
+def breakdown(refitter, named: dict[str, torch.Tensor], mb: int, dtype: torch.dtype,
+              repeats: int = 10) -> dict:  # fmt: skip
     """Where a molt refit's time goes, each part timed alone (medians, ms): the pause and the
     resume with nothing between; the trainer packing every bucket (copy and synchronize); an
     update naming the staging buffer with no tensors (HTTP, the engine core, the worker's RPC
@@ -123,8 +124,10 @@ def breakdown(refitter, named: dict[str, torch.Tensor], mb: int, repeats: int = 
         result["resume_ms"].append((time.perf_counter() - t) * 1e3)
     result = {k: statistics.median(v) for k, v in result.items()}
     packer = IpcTransport()
-    buckets = [tensors for _, tensors in iter_buckets(iter(named.items()), mb << 20)]
-    result["pack_all_ms"] = ms(lambda: [packer.bucket_fields(b) for b in buckets])
+    buckets = [tensors for _, tensors in iter_buckets(iter(named.items()), mb << 20, dtype)]
+    result["pack_all_ms"] = ms(
+        lambda: [packer.bucket_fields(b, i, dtype) for i, b in enumerate(buckets)]
+    )
     packer.staging = [None] * packer.SLOTS  # freed before the engine is timed
     buffer = refitter.transport.shared[0]
     empty = {"update_info": {**dataclasses.asdict(BucketMeta()), "buffer": buffer}}
@@ -146,6 +149,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--buckets-mb", type=int, nargs="*", default=[512, 2048])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/refit_ipc")))
+    p.add_argument("--fp32-masters", action="store_true",
+                   help="hold the weights in fp32, as the trainer does, and send them in bf16: "
+                        "the cast in the packing, as in a run")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import load_file
@@ -163,8 +169,10 @@ def main() -> None:
     print(f"engine ready in {time.monotonic() - t0:.0f} s", flush=True)
     try:
         files = sorted(args.model.glob("*.safetensors"))
-        original = {k: v.cuda().bfloat16() for f in files for k, v in load_file(str(f)).items()}
-        nbytes = sum(t.nbytes for t in original.values())
+        held = torch.float32 if args.fp32_masters else torch.bfloat16
+        original = {k: v.cuda().to(held) for f in files for k, v in load_file(str(f)).items()}
+        wire = torch.bfloat16
+        nbytes = sum(t.numel() * wire.itemsize for t in original.values())
         perturbed = {k: v + 0.01 * torch.randn_like(v) if "lm_head" in k else v
                      for k, v in original.items()}  # fmt: skip
         variants: dict[str, Refitter] = {}
@@ -182,14 +190,16 @@ def main() -> None:
             for name, refitter in variants.items():
                 # The engine keeps two staging buffers mapped: the untimed refit maps this
                 # variant's, as the buffers of a run stay mapped from its first refit on.
-                refitter.refit(iter(original.items()), version := version + 1)
-                times[name].append(refitter.refit(iter(original.items()), version := version + 1))
+                refitter.refit(iter(original.items()), version := version + 1, dtype=wire)
+                times[name].append(
+                    refitter.refit(iter(original.items()), version := version + 1, dtype=wire)
+                )
         base = greedy_logprobs(url, str(args.model))
         checks = {}
         for name, refitter in variants.items():
-            refitter.refit(iter(perturbed.items()), version := version + 1)
+            refitter.refit(iter(perturbed.items()), version := version + 1, dtype=wire)
             after = greedy_logprobs(url, str(args.model))
-            refitter.refit(iter(original.items()), version := version + 1)
+            refitter.refit(iter(original.items()), version := version + 1, dtype=wire)
             checks[name] = {"perturbed": after, "restored_equal": greedy_logprobs(
                 url, str(args.model)) == base}  # fmt: skip
         reference = checks[next(iter(checks))]["perturbed"]
@@ -206,7 +216,7 @@ def main() -> None:
             result["variants"][name] = phases
             print(name, json.dumps(phases), flush=True)
         for mb in args.buckets_mb:
-            parts = breakdown(variants[f"molt-{mb}MB"], original, mb)
+            parts = breakdown(variants[f"molt-{mb}MB"], original, mb, wire)
             result["variants"][f"molt-{mb}MB"]["breakdown"] = parts
             print(f"molt-{mb}MB breakdown", json.dumps(parts), flush=True)
         for mb in args.buckets_mb:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack, unpack
+from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size, unpack
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -248,3 +248,18 @@ def test_state_dict_through_buckets_round_trips():
     clone.load_state_dict(dict(received))
     x = torch.randn(4, 16)
     assert torch.equal(clone(x), model(x))
+
+
+def test_a_wire_dtype_casts_while_packing():
+    """The refit sends fp32 master weights as bf16: sized, described and packed as bf16, each
+    value what `.to(bfloat16)` gives."""
+    gen = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.randn(5 + i, 3, generator=gen)) for i in range(4)]
+    buckets = list(iter_buckets(named, bucket_bytes=2 * 6 * 3 * 2, dtype=torch.bfloat16))
+    assert [m.names for m, _ in buckets] == [["w0", "w1"], ["w2"], ["w3"]]
+    for meta, tensors in buckets:
+        assert set(meta.dtype_names) == {"bfloat16"}
+        buffer = pack(tensors, dtype=torch.bfloat16)
+        assert buffer.numel() == meta.numbytes() == packed_size(tensors, torch.bfloat16)
+        for (name, got), want in zip(unpack(buffer, meta), tensors, strict=True):
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name

@@ -36,26 +36,27 @@ class Transport:
     def __init__(self, packed: list[threading.Event], log: list[str]) -> None:
         self.packed, self.log = packed, log
 
-    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int, dtype) -> dict:
         k = int(tensors[0][0])
+        assert index == k and dtype is torch.bfloat16
         self.log.append(f"pack {k}")
         self.packed[k].set()
         return {}
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
+    def send(self, tensors: list[torch.Tensor], dtype) -> None:
         pass
 
 
 def test_the_next_bucket_is_packed_while_the_engines_load():
     buckets, log = 4, []
     packed = [threading.Event() for _ in range(buckets)]
-    # one bucket each (1 MiB tensors, 1 MiB buckets), filled with its number
-    named_tensors = ((str(k), torch.full((1 << 18,), float(k))) for k in range(buckets))
+    # one bucket each (1 MiB tensors in bf16, 1 MiB buckets), filled with its number
+    named_tensors = ((str(k), torch.full((1 << 19,), float(k))) for k in range(buckets))
     refitter = Refitter.__new__(Refitter)  # its routes and transport only: no engines dialled
     engines = [Engine(packed, log), Engine(packed, log)]
     EngineSet.__init__(refitter, engines, RefitConfig(bucket_mb=1))
     refitter.transport = Transport(packed, log)
-    times = refitter.refit(named_tensors, version=1)
+    times = refitter.refit(named_tensors, version=1, dtype=torch.bfloat16)
     refitter.close()
     assert times["refit/buckets"] == buckets
     assert not [line for line in log if line.endswith("alone")], log

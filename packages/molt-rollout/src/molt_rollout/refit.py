@@ -96,11 +96,12 @@ class GlooTransport:
     def connect(self) -> None:
         self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
 
-    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int,
+                      dtype: torch.dtype | None) -> dict:  # fmt: skip
         return {}
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
-        self.group.broadcast(pack(tensors), 0).wait()
+    def send(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+        self.group.broadcast(pack(tensors, dtype=dtype), 0).wait()
 
 
 class NcclTransport:
@@ -119,7 +120,8 @@ class NcclTransport:
         return {"master_address": self.address, "master_port": self.port, "rank_offset": rank_offset,
                 "world_size": self.world_size, **self.init_fields}  # fmt: skip
 
-    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int,
+                      dtype: torch.dtype | None) -> dict:  # fmt: skip
         return self.update_fields
 
     def connect(self) -> None:
@@ -128,11 +130,12 @@ class NcclTransport:
         self.group = trainer_init({"master_address": self.address, "master_port": self.port,
                                    "world_size": self.world_size})  # fmt: skip
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
+    def send(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         packed_nccl_broadcast_producer(
-            iterator=iter(tensors), group=self.group, src=0, post_iter_func=lambda t: t,
+            iterator=iter(tensors), group=self.group, src=0,
+            post_iter_func=lambda t: t.to(dtype or t.dtype),
             buffer_size_bytes=self.bucket_bytes, num_buffers=2,
         )  # fmt: skip
         torch.cuda.current_stream().synchronize()
@@ -154,7 +157,6 @@ class IpcTransport:
     def __init__(self) -> None:
         self.staging: list[torch.Tensor | None] = [None] * self.SLOTS
         self.shared: list[dict] = [{}] * self.SLOTS  # ipc_transport.share of each, made once
-        self.slot = 0  # the buffer the next bucket goes into
 
     def worker_init_info(self, rank_offset: int) -> dict:
         return {}
@@ -162,23 +164,27 @@ class IpcTransport:
     def connect(self) -> None:
         pass
 
-    def bucket_fields(self, tensors: list[torch.Tensor]) -> dict:
-        """Packs the bucket into the next buffer. The engines are done with that buffer: its
-        last bucket's replies came before the previous bucket was sent."""
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int,
+                      dtype: torch.dtype | None) -> dict:  # fmt: skip
+        """Packs bucket `index` of a refit into its buffer (the same one every refit, so the
+        engine's recorded copies for it stay valid). The engines are done with that buffer:
+        its last bucket's replies came before the previous bucket was sent."""
         from molt_rollout.ipc_transport import share
 
-        slot, self.slot = self.slot, (self.slot + 1) % self.SLOTS
-        needed = packed_size(tensors)
+        slot = index % self.SLOTS
+        needed = packed_size(tensors, dtype)
         if self.staging[slot] is None or self.staging[slot].numel() < needed:
+            # as large as the other's too: a buffer that grows again drops its recorded copies
+            size = max([needed] + [b.numel() for b in self.staging if b is not None])
             self.staging[slot] = None
             torch.cuda.ipc_collect()  # frees buffers the engine let go of (at its next map)
-            self.staging[slot] = torch.empty(needed, dtype=torch.uint8, device=tensors[0].device)
+            self.staging[slot] = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
             self.shared[slot] = {**share(self.staging[slot]), "slot": slot}
-        pack(tensors, out=self.staging[slot])
+        pack(tensors, out=self.staging[slot], dtype=dtype)
         torch.cuda.current_stream().synchronize()  # the engine reads it from its own stream
         return {"buffer": self.shared[slot]}
 
-    def send(self, tensors: list[torch.Tensor]) -> None:
+    def send(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         pass  # the update call carries the buffer
 
 
@@ -268,12 +274,14 @@ class Refitter(EngineSet):
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         pause_mode: str = "keep",
+        dtype: torch.dtype | None = None,
     ) -> dict[str, float]:
         """pause -> transfer in buckets -> finish with `version` -> resume.
 
         `pause_mode` "keep" holds in-flight requests and continues them under the new weights
         (partial rollout: one rollout may span versions); "wait" lets them finish on the old
-        weights first, so every request is generated by one version."""
+        weights first, so every request is generated by one version. `dtype`: the engines'
+        (each tensor cast as it is packed; its own if None)."""
         times: dict[str, float] = {}
         start = last = time.perf_counter()
 
@@ -292,13 +300,15 @@ class Refitter(EngineSet):
         waited = 0.0  # of the transfer, on the engines' loads (and the wire)
         replies: list[Future] = []
         # A bucket is gathered (the iterator) and packed while the engines load the one before.
-        for meta, tensors in iter_buckets(named_tensors, self.cfg.bucket_mb << 20):
-            update = {"update_info": {**asdict(meta), **self.transport.bucket_fields(tensors)}}
+        buckets = iter_buckets(named_tensors, self.cfg.bucket_mb << 20, dtype)
+        for index, (meta, tensors) in enumerate(buckets):
+            fields = self.transport.bucket_fields(tensors, index, dtype)
+            update = {"update_info": {**asdict(meta), **fields}}
             waited += self._wait(replies)
-            replies, seconds = self._send(update, tensors)
+            replies, seconds = self._send(update, tensors, dtype)
             waited += seconds
             num_buckets += 1
-            num_bytes += sum(t.nbytes for t in tensors)
+            num_bytes += meta.numbytes()
         waited += self._wait(replies)
         lap("transfer")
         times["timing/refit_transfer_engines"] = waited
@@ -318,12 +328,13 @@ class Refitter(EngineSet):
             self.last_unupdated = unchanged
         return times
 
-    def _send(self, update: dict, tensors: list[torch.Tensor]) -> tuple[list[Future], float]:
+    def _send(self, update: dict, tensors: list[torch.Tensor],
+              dtype: torch.dtype | None) -> tuple[list[Future], float]:  # fmt: skip
         """One bucket to every engine: their replies to come, and the seconds the send took."""
         start = time.perf_counter()
         # Workers block inside update_weights until the broadcast arrives: run both at once.
         replies = [self.pool.submit(e.post, "/update_weights", update) for e in self.engines]
-        self.transport.send(tensors)
+        self.transport.send(tensors, dtype)
         return replies, time.perf_counter() - start
 
     def _wait(self, replies: list[Future]) -> float:

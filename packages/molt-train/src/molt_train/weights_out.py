@@ -168,12 +168,14 @@ class WeightsOut:
         (`pause_mode`: see molt_rollout.refit.Refitter.refit), or, with the adapter refit,
         writes the adapters and has the engines load them (no pause: molt_rollout.adapters)."""
         dtype = DTYPES[self.cfg.dtype] if self.on_gpu else torch.float32
+        if self.on_gpu:  # the step's queued kernels (the optimizer's) end before engines pause
+            torch.cuda.current_stream().synchronize()
         if self.lora is not None and self.lora.refit == "adapter":
             return self._refit_adapter(version, dtype)
-        tensors = self.named_full_tensors(dtype)
+        tensors = self.named_full_tensors()  # cast to `dtype` as they are packed (buckets.py)
         try:
             if self.rank == 0:
-                return self.refitter.refit(tensors, version, pause_mode)
+                return self.refitter.refit(tensors, version, pause_mode, dtype)
         finally:
             _drain(tensors)  # rank 0 too, when its refit failed: the others are gathering
         return {}
