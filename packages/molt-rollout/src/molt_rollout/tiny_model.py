@@ -41,6 +41,11 @@ def default_cache_dir() -> Path:
 
 def build_tiny_model(path: str | Path | None = None, seed: int = 0, moe: bool = False) -> Path:
     """Write (once) the tiny model (`moe`: its Qwen3-MoE variant) and tokenizer to `path`."""
+    name = "tiny-qwen3-moe" if moe else "tiny-qwen3"
+    path = Path(path) if path is not None else default_cache_dir() / name
+    marker = path / "molt_tiny_model_version"
+    if marker.exists() and marker.read_text() == f"{_BUILD_VERSION}-{seed}":
+        return path  # before the imports: they cost the driver 2.8 s of its start-up
     import torch
     from transformers import (
         AutoTokenizer,
@@ -50,11 +55,6 @@ def build_tiny_model(path: str | Path | None = None, seed: int = 0, moe: bool = 
         Qwen3MoeForCausalLM,
     )
 
-    name = "tiny-qwen3-moe" if moe else "tiny-qwen3"
-    path = Path(path) if path is not None else default_cache_dir() / name
-    marker = path / "molt_tiny_model_version"
-    if marker.exists() and marker.read_text() == f"{_BUILD_VERSION}-{seed}":
-        return path
     build_tiny_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config_class, model_class = (
