@@ -5,10 +5,10 @@ over HTTP, and the engine maps and unmaps the trainer's memory for each one. Her
 copies each bucket into one of two staging buffers (slots, used in turn: it fills one while the
 engine loads from the other), each shared once; every `update_weights` call names its buffer
 (the same handle each time) and the bucket's layout (buckets.py). The engine maps each slot's
-buffer on first sight and keeps it mapped until the trainer replaces it. A model with nothing computed after
-loading takes each bucket in place, through its own loader the first time and by replaying
-that loader's copies afterwards; others copy the bucket out and load it through vLLM's
-layerwise reload, like every other backend. The handle travels as plain JSON fields:
+buffer on first sight and keeps it mapped until the trainer replaces it. A model with nothing
+computed after loading takes each bucket in place, through its own loader the first time and
+by replaying that loader's copies afterwards; others copy the bucket out and load it through
+vLLM's layerwise reload, like every other backend. The handle travels as plain JSON fields:
 no pickle, so the engine needs no VLLM_ALLOW_INSECURE_SERIALIZATION.
 
 Engine side: `BufferIpcEngine`, registered by Molt's vLLM plugin (vllm_plugin.py), created by
@@ -69,9 +69,8 @@ def open_shared(fields: dict, device_index: int) -> torch.Tensor:
 
 @dataclass
 class BufferUpdateInfo(WeightTransferUpdateInfo, BucketMeta):
-    buffer: dict = (
-        None  # `share` of a staging buffer, with its slot (a default: after BucketMeta's)
-    )
+    # `share` of a staging buffer, with its slot (a default: after BucketMeta's)
+    buffer: dict = None
 
 
 class BufferIpcEngine(IPCWeightTransferEngine):
