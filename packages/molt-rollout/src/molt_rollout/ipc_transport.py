@@ -115,7 +115,8 @@ class BufferIpcEngine(IPCWeightTransferEngine):
             return super().receive_weights(update_info)
         fields = update_info.buffer
         slot = fields["slot"]
-        if self.staging.get(slot, (None,))[0] != fields["handle"]:  # new, or the trainer grew it
+        mapped = self.staging.get(slot)
+        if mapped is None or mapped[0] != fields["handle"]:  # new, or the trainer grew it
             self.staging.pop(slot, None)  # unmapped first: the trainer frees it at its next growth
             self.plans = {key: plan for key, plan in self.plans.items() if key[0] != slot}
             self.staging[slot] = (fields["handle"], open_shared(fields, self.device.index))
