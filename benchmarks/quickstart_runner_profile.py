@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import ray
+from transformers import AutoTokenizer
 
 from molt_rollout.config import RefitConfig, RolloutConfig, RouterConfig, VLLMConfig
 from molt_rollout.pool import PromptTask
@@ -41,6 +42,7 @@ def main() -> None:
                                    RefitConfig(), logs, on_gpu=False)  # fmt: skip
     try:
         runner = RunnerActor("molt_train.quickstart.halves_env", model,
+                             AutoTokenizer.from_pretrained(model), None,
                              RolloutConfig(max_tokens=1), True, 300.0, 3)  # fmt: skip
         runner.connect(service.router.url)
         data = Path(quickstart_init).parent / "halves_train.jsonl"

@@ -1,9 +1,10 @@
 """Agent-runner processes: Ray actors that run the n rollouts of a prompt group concurrently.
 
 Each actor imports the researcher's module by path (`load_agent` inside the actor: a module
-loaded from a file does not pickle by reference) and loads its tokenizer as it is created, so
-that work overlaps the engines' start-up; `connect` then builds its token client (one per event
-loop) against the router. It serves `run_group` on its event loop, so many groups interleave in
+loaded from a file does not pickle by reference) as it is created, so that work overlaps the
+engines' start-up; the tokenizer (and a multimodal model's image encoder) it gets from the
+driver, which loads them once. `connect` then builds its token client (one per event loop)
+against the router. It serves `run_group` on its event loop, so many groups interleave in
 one process. `RunnerActors.launch` is the pool's launcher: it returns a
 `concurrent.futures.Future`.
 """
@@ -14,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -25,30 +27,29 @@ from molt_rollout.loader import load_agent
 from molt_rollout.network import check_reachable
 from molt_rollout.pool import GroupResult, PromptTask
 
+if TYPE_CHECKING:
+    from molt_capture.media import ImageEncoder
+
 
 class RunnerActor:
     """The body of one runner actor (plain class, so it is testable without Ray)."""
 
-    def __init__(self, agent: str, model: str, rollout: RolloutConfig,
-                 apply_chat_template: bool, request_timeout_s: float, max_retries: int,
-                 eval_rollout: RolloutConfig | None = None,
+    def __init__(self, agent: str, model: str, tokenizer, image_encoder: ImageEncoder | None,
+                 rollout: RolloutConfig, apply_chat_template: bool, request_timeout_s: float,
+                 max_retries: int, eval_rollout: RolloutConfig | None = None,
                  adapter: str | None = None, token: str | None = None) -> None:  # fmt: skip
-        """Everything that needs no engine: the agent module, the tokenizer, an image encoder.
-        `adapter`: the engines serve each version as a LoRA adapter of that prefix
-        (TokenClient), for both agent forms: the capture server generates through this client.
-        `token`: the run's token (molt_rollout.network)."""
-        from transformers import AutoTokenizer
-
-        from molt_capture.media import load_image_encoder
-
+        """Everything that needs no engine. `tokenizer` and `image_encoder` (None: a text-only
+        model) are `model`'s, loaded by the driver (RunnerActors). `adapter`: the engines serve
+        each version as a LoRA adapter of that prefix (TokenClient), for both agent forms: the
+        capture server generates through this client. `token`: the run's token
+        (molt_rollout.network)."""
         self.runner_class = load_agent(agent)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = tokenizer
         self.model, self.rollout, self.eval_rollout = model, rollout, eval_rollout
         self.apply_chat_template = apply_chat_template
         self.client_args = (request_timeout_s, max_retries, adapter, token)
         # A multimodal model's processor, passed only then: text-only runners are unchanged.
-        encoder = load_image_encoder(model)
-        self.extra = {} if encoder is None else {"image_encoder": encoder}
+        self.extra = {} if image_encoder is None else {"image_encoder": image_encoder}
 
     def connect(self, router_url: str) -> None:
         """The token client to the router and the agent runner on it."""
@@ -100,8 +101,17 @@ class RunnerActors:
         )
         actor = ray.remote(num_cpus=cfg.cpus_per_runner, max_concurrency=cfg.max_concurrent_groups,
                            scheduling_strategy=driver_node)(RunnerActor)  # fmt: skip
-        args = (agent, model, cfg, apply_chat_template, request_timeout_s, max_retries,
-                eval_rollout, adapter, token)  # fmt: skip
+        # Loaded here once, not in each actor: AutoTokenizer's imports (torch and its compiler)
+        # cost a runner process about 7 s of CPU, unpickling its result 1.5 s
+        # (docs/benchmarks.md, start-up).
+        from transformers import AutoTokenizer
+
+        from molt_capture.media import load_image_encoder
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        text_side = ray.put(self.tokenizer), ray.put(load_image_encoder(model))
+        args = (agent, model, *text_side, cfg, apply_chat_template, request_timeout_s,
+                max_retries, eval_rollout, adapter, token)  # fmt: skip
         self.cfg = cfg
         self.actors = [actor.remote(*args) for _ in range(cfg.num_runners)]
         self._next = itertools.cycle(self.actors)

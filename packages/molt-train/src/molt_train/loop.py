@@ -93,18 +93,20 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                     on_gpu, with_refitter=False, placement=bundles,
                                     adapters=adapters, network=network)  # fmt: skip
 
+    def create_runners() -> RunnerActors:
+        # They load the agent module meanwhile too, and dial the router once it is up.
+        return RunnerActors(cfg.rollout, cfg.train.agent_path, model,
+                            cfg.data.apply_chat_template, cfg.vllm.request_timeout_s,
+                            cfg.vllm.max_retries, eval_rollout_config(cfg.rollout, cfg.eval),
+                            adapters and adapters.name, network.token)  # fmt: skip
+
     def build_policy() -> ModelGroup:
         return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
 
-    # The agent runners load their module and tokenizer meanwhile too; they dial the router
-    # once it is up.
-    runners = RunnerActors(cfg.rollout, cfg.train.agent_path, model, cfg.data.apply_chat_template,
-                           cfg.vllm.request_timeout_s, cfg.vllm.max_retries,
-                           eval_rollout_config(cfg.rollout, cfg.eval),
-                           adapters and adapters.name, network.token)  # fmt: skip
     if bundles is None:
-        rollout, policy = start_concurrently(start_rollout, build_policy)
+        rollout, runners, policy = start_concurrently(start_rollout, create_runners, build_policy)
     else:  # one after the other: vLLM sizes its KV cache from the GPU memory it finds free
+        runners = create_runners()
         rollout, policy = start_rollout(), build_policy()
 
     # ---- generation: agent runners, the streaming pool -------------------------------------
@@ -160,7 +162,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
 
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg),
                            first_step if latest is not None else None)  # fmt: skip
-    tokenizer = _tokenizer(model)
+    tokenizer = runners.tokenizer
     pause_mode = "keep" if cfg.train.partial_rollout_enable else "wait"
     metrics: dict[str, float] = {}
     saved_step = done_step = first_step
@@ -302,21 +304,23 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     return metrics
 
 
-def start_concurrently(start_rollout, build_policy) -> tuple[RolloutService, ModelGroup]:
-    """The engines start on a thread while the policy group builds here: the two overlap
-    (docs/benchmarks.md, start-up). Whichever fails, the other is shut down."""
+def start_concurrently(start_rollout, *builders) -> tuple:
+    """The engines start on a thread while `builders` run here in order (the runners, the
+    policy group): they overlap (docs/benchmarks.md, start-up). Returns (rollout, *built).
+    Whichever fails, the rest is shut down."""
+    built = []
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-start") as executor:
         rollout_future = executor.submit(start_rollout)
         try:
-            policy = build_policy()
+            for build in builders:
+                built.append(build())
+            return rollout_future.result(), *built
         except BaseException:
-            with contextlib.suppress(Exception):
+            for part in built:
+                with contextlib.suppress(Exception):
+                    part.shutdown()
+            with contextlib.suppress(Exception):  # waits for a start still in progress
                 rollout_future.result().shutdown()
-            raise
-        try:
-            return rollout_future.result(), policy
-        except BaseException:
-            policy.shutdown()
             raise
 
 
@@ -415,9 +419,3 @@ def _split_by_group(samples: list, groups: list[str], parts: int) -> list[list]:
     for sample, group in zip(samples, groups, strict=True):
         chunks[part_of[group]].append(sample)
     return [c for c in chunks if c]
-
-
-def _tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)

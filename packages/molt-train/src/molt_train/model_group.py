@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Literal
 from molt_algos import GROUP_AGGREGATIONS
 from molt_rollout.engine import gpu_bundles
 from molt_train.actor_config import ActorConfig, FSDPConfig
-from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, plan_microbatches, unplan
 
 if TYPE_CHECKING:
@@ -86,6 +85,10 @@ class ModelGroup:
                 }
                 for i in range(n)
             ]
+        # Imported here: its modelling stack (nemo_automodel, torch.distributed.tensor) costs
+        # the driver 2.5 s, which it now pays after the engines' start began.
+        from molt_train.model_worker import ModelWorker
+
         remote = ray.remote(ModelWorker)
         self.workers = [
             remote.options(**options[rank]).remote(cfg, fsdp, role, rank, n, on_gpu, routing_replay)
