@@ -59,17 +59,17 @@ class Router:
             # Tied to the driver's process: a killed driver leaves no router.
             self.process = lifeline.spawn(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EngineError(
-                    f"router exited with {self.process.returncode}:\n{log_tail(self.log_path)}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        with httpx.Client(timeout=2.0) as http:  # one TLS context, not one per poll
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise EngineError(f"router exited with {self.process.returncode}:\n"
+                                      f"{log_tail(self.log_path)}")  # fmt: skip
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return self.url
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
         self.stop()
         raise EngineError(
             f"router not ready after {self.cfg.startup_timeout_s} s:\n{log_tail(self.log_path)}"
