@@ -16,7 +16,9 @@ T0 = time.time()
 
 
 def stamp(what: str) -> None:
-    print(f"[startup] {time.time() - T0:7.1f} s  {what}", flush=True)
+    now = time.time()  # the clock time too: the engine's log stamps its lines with it
+    print(f"[startup] {now - T0:7.1f} s  {time.strftime('%H:%M:%S', time.localtime(now))}  {what}",
+          flush=True)  # fmt: skip
 
 
 def traced(owner, name: str, label: str) -> None:
