@@ -92,6 +92,26 @@ def test_the_reaper_kills_every_descendant_of_a_killed_owner():
     owner.wait()
 
 
+def test_the_reaper_outlives_a_child_that_ends_while_it_looks(monkeypatch):
+    """A descendant can exit between the reaper's listing and its own calls (the engine core's
+    short-lived compiler probes do): the reaper goes on watching, then kills the rest."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         "c = subprocess.Popen(['sleep', '120']); print(c.pid, flush=True); time.sleep(2)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child = int(owner.stdout.readline())
+
+    def vanished(pid: int) -> int:
+        raise ProcessLookupError(3, "No such process")  # as for a child gone since the listing
+
+    monkeypatch.setattr(lifeline.os, "getpgid", vanished)
+    # First seen by pid and start time, then getpgid fails: still killed once the owner ends.
+    assert lifeline._reap(owner.pid) == 0
+    assert wait_gone([child]) == []
+    owner.wait()
+
+
 def test_a_killed_lifeline_takes_its_server():
     """Ray SIGKILLs an ending actor's children, the lifeline among them: the server it started
     must not outlive it."""

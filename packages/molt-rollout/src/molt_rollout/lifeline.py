@@ -59,7 +59,10 @@ def _reap(owner: int) -> int:
     while _alive(owner):
         with contextlib.suppress(psutil.Error):
             for p in psutil.Process(owner).children(recursive=True):
-                if p.pid not in known and p.pid != os.getpid():
+                if p.pid in known or p.pid == os.getpid():
+                    continue
+                # A short-lived child can end between the listing and these calls: skip it.
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
                     known[p.pid] = p.create_time()
                     if os.getpgid(p.pid) == p.pid:
                         groups.add(p.pid)
