@@ -83,9 +83,11 @@ class GlooTransport:
 
     def __init__(self, world_size: int, timeout_s: float, address: str) -> None:
         self.world_size, self.timeout = world_size, timedelta(seconds=timeout_s)
-        self.address, self.port = address, free_port(address)
-        self.store = dist.TCPStore(address, self.port, world_size, is_master=True,
+        # Port 0: the store binds a free port itself; one picked first and bound later could be
+        # taken in between (CI saw EADDRINUSE in the two-node run).
+        self.store = dist.TCPStore(address, 0, world_size, is_master=True,
                                    timeout=self.timeout, wait_for_workers=False)  # fmt: skip
+        self.address, self.port = address, self.store.port
         self.group: dist.ProcessGroup | None = None
 
     def worker_init_info(self, rank_offset: int) -> dict:
