@@ -28,7 +28,7 @@ def main() -> None:
             cpu = info["cpu_times"].user + info["cpu_times"].system
             row = seen.setdefault(p.pid, {"first": time.time() - t0})
             row.update(cpu=cpu, last=time.time() - t0,
-                       cmd=" ".join(info["cmdline"] or [])[:100])  # fmt: skip
+                       cmd=" ".join(info["cmdline"] or []).replace("\n", " ")[:100])  # fmt: skip
         time.sleep(0.5)
     rows = sorted(seen.values(), key=lambda r: -r["cpu"])
     for r in rows[:20]:
