@@ -60,7 +60,10 @@ def fork_cpu_engine_core() -> None:
     imported vLLM a second time: 12 of an engine's 37 s to ready on two cores, tokens identical
     (docs/benchmarks.md). Fork is vLLM's own default on CUDA while CUDA is uninitialised; the
     server has run no torch kernel when it starts the core, so no OpenMP pool is inherited.
-    A multi-worker engine keeps spawn: its workers would be forked from an initialised core."""
+    A multi-worker engine keeps spawn: its workers would be forked from an initialised core.
+    A start method set in the environment is left to vLLM."""
+    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
+        return
     from vllm.platforms.cpu import CpuPlatform
 
     check_and_update_config = CpuPlatform.check_and_update_config.__func__
