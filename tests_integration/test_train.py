@@ -154,21 +154,21 @@ def wait_for(run: Path, name: str, process: subprocess.Popen, timeout_s: float =
     while not path.exists():
         assert process.poll() is None, "the run ended first: " + output(run)[1][-3000:]
         assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
-def run_processes(driver: subprocess.Popen) -> tuple[list[psutil.Process], set[int]]:
+def run_processes(driver: subprocess.Popen) -> tuple[list[psutil.Process], set[tuple]]:
     """Every process of a run (the driver's descendants: Ray, runners, actors, lifelines,
-    engines, router) and the TCP ports they listen on."""
+    engines, router) and the TCP addresses (host, port) they listen on."""
     tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
     ports = set()
     for p in tree:
         with contextlib.suppress(psutil.Error):
-            ports |= {c.laddr.port for c in p.net_connections("tcp") if c.status == "LISTEN"}
+            ports |= {tuple(c.laddr) for c in p.net_connections("tcp") if c.status == "LISTEN"}
     return tree, ports
 
 
-def assert_nothing_left(tree: list[psutil.Process], ports: set[int], within_s: float) -> None:
+def assert_nothing_left(tree: list[psutil.Process], ports: set[tuple], within_s: float) -> None:
     ended_at = time.time()  # called once the run's end began
     deadline = time.monotonic() + within_s
     alive = tree
@@ -176,11 +176,13 @@ def assert_nothing_left(tree: list[psutil.Process], ports: set[int], within_s: f
         alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.25)
     assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
-    # A port the run listened on, still listened on by a process that existed before its end.
-    # One started later took a freed ephemeral port (CI saw one: none of the run was alive).
+    # An address the run listened on, still listened on by a process that existed before its
+    # end. One started later took a freed ephemeral port (CI saw one: none of the run was alive);
+    # the host counts too (CI saw a live Ray agent, not one of the run's processes, on one of
+    # its port numbers: the same port on another address is another socket).
     left = {}
     for c in psutil.net_connections("tcp"):
-        if c.status == "LISTEN" and c.laddr.port in ports:
+        if c.status == "LISTEN" and tuple(c.laddr) in ports:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p = psutil.Process(c.pid) if c.pid else None
                 if p is None or p.create_time() < ended_at:
@@ -198,9 +200,10 @@ def test_kill_and_resume_trains_every_prompt_exactly_once(tmp_path):
              "--actor.num_workers", "2"]  # fmt: skip
     process = start_run(tmp_path, run, flags)
     try:
-        wait_for(run, "checkpoints/step_00000003", process)
-        tree, ports = run_processes(process)
+        wait_for(run, "metrics.jsonl", process)
+        tree, ports = run_processes(process)  # listed first: the kill must come before step 5
         assert any("vllm" in " ".join(p.cmdline()) for p in tree)  # the engine is among them
+        wait_for(run, "checkpoints/step_00000003", process)
         (driver,) = psutil.Process(process.pid).children()  # the command's own process forks it
         driver.kill()
         assert process.wait(timeout=30) == 128 + signal.SIGKILL  # the command reports its end
