@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from molt_capture.types import SamplingParams
 from molt_rollout.client import GENERATE_PATH, weight_version_number
+from molt_rollout.engine import CPU_SERVER
 from molt_rollout.network import free_port
 from molt_rollout.refit import RefitError, Refitter
 from molt_rollout.router import SESSION_HEADER
@@ -94,7 +95,7 @@ def test_a_cpu_engine_core_is_forked_from_its_server(rollout):
     one, which vLLM's CPU platform changed (VLLM_WORKER_MULTIPROC_METHOD=spawn among others)."""
     for lifeline_pid in rollout.engines.pids():
         (server,) = psutil.Process(lifeline_pid).children()
-        assert server.cmdline()[1:3] == ["-m", "molt_rollout.vllm_cpu_server"]
+        assert server.cmdline()[1:3] == ["-m", CPU_SERVER]
         (core,) = [c for c in server.children() if "EngineCore" in " ".join(c.cmdline())]
         assert core.environ() == server.environ()
 

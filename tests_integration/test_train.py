@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+from molt_rollout.engine import CPU_SERVER
+
 # The README's quickstart settings with fewer steps and W&B off; each test adds its own flags.
 FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
         "--eval.every_steps", "0"]  # fmt: skip
@@ -254,7 +256,7 @@ def engine_servers(tree: list[psutil.Process]) -> list[psutil.Process]:
     servers = []
     for p in tree:
         with contextlib.suppress(psutil.Error):
-            if p.cmdline()[1:3] == ["-m", "molt_rollout.vllm_cpu_server"]:
+            if p.cmdline()[1:3] == ["-m", CPU_SERVER]:
                 servers.append(p)
     return servers
 
@@ -327,7 +329,7 @@ def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path, 
     assert len(after) >= 6 - killed_at - 1  # at most the step in progress ran on the old engine
     for r in after:
         assert r["pool/version_lag_max"] == 0 and abs(r["is/vllm_kl"]) < 1e-5, r
-    command = f"{sys.executable} -m molt_rollout.vllm_cpu_server"  # each server's first log line
+    command = f"{sys.executable} -m {CPU_SERVER}"  # each server's first log line
     logs = [(run / "logs" / f"engine_{i}.log").read_text().splitlines() for i in range(2)]
     starts = sorted(sum(line.startswith(command) for line in log) for log in logs)
     assert starts == [1, 2]  # the killed engine's log holds both servers' lines

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from molt_rollout.adapters import AdapterServing
 
 LOG_TAIL_LINES = 40
+GPU_SERVER = "vllm.entrypoints.openai.api_server"
+CPU_SERVER = "molt_rollout.vllm_cpu_server"  # the same server, its engine core forked: 12 s less
 
 
 class EngineError(RuntimeError):
@@ -65,7 +67,6 @@ class EngineServer:
         port = free_port(host)
         self.url = f"http://{host}:{port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # mounts the RL control endpoints
-        server = "vllm.entrypoints.openai.api_server"
         if self.network.token:  # in the environment: a command line is readable by anyone
             env[TOKEN_ENV] = self.network.token
         if not self.on_gpu:
@@ -79,10 +80,9 @@ class EngineServer:
             # attribute 'finalize_loading'") and compiles again at every start; without AOT it
             # loads inductor's cache: engine init 9.6-10.3 -> 6.9 s (docs/benchmarks.md).
             env.setdefault("VLLM_USE_AOT_COMPILE", "0")
-            server = "molt_rollout.vllm_cpu_server"  # the same, its engine core forked: 12 s less
         if self.adapters is not None:
             env.update(self.adapters.server_env())
-        command = [sys.executable, "-m", server]
+        command = [sys.executable, "-m", GPU_SERVER if self.on_gpu else CPU_SERVER]
         command += server_args(self.cfg, self.model, port, self.transfer_backend, self.adapters,
                                host, token_check=bool(self.network.token))  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
