@@ -128,7 +128,14 @@ def test_refit_changes_generation_and_restores(rollout, weights):
     start = current_version(rollout)
     timings = refit_with(rollout, perturbed)
     assert timings["refit/buckets"] > 1  # 1 MiB buckets: several calls, not one per tensor
-    assert all(timings[f"timing/refit_{p}"] >= 0 for p in ("pause", "transfer", "finish", "resume"))
+    phases = ("pause", "start", "transfer", "finish", "resume")
+    assert timings["timing/refit_first_bucket"] > 0 and all(
+        timings[f"timing/refit_{p}"] >= 0 for p in phases
+    )
+    # the total is the engines' pause to their resume; the first bucket was packed before it
+    assert timings["timing/refit_total"] == pytest.approx(
+        sum(timings[f"timing/refit_{p}"] for p in phases), abs=1e-3
+    )
     assert 0 < timings["timing/refit_transfer_engines"] <= timings["timing/refit_transfer"]
     changed = generate(rollout, PROMPT, "refit", **greedy)
     assert changed["token_ids"] != original["token_ids"]
