@@ -1,14 +1,17 @@
-"""The refit's bucket pipeline, its order alone: the trainer gathers and packs the next bucket
-while the engines load this one, and an engine never gets a bucket before it answered the last.
+"""The refit's bucket pipeline, its order alone: the trainer packs the first bucket before the
+engines pause and each next one while they load the one before, and an engine never gets a
+bucket before it answered the last. And the NCCL transport's rendezvous on its bound port.
 Real engines take the same loop in tests_integration/test_engines.py (CPU) and
 tests_integration/gpu/test_colocated_refit.py (CUDA IPC)."""
 
+import socket
 import threading
 
+import pytest
 import torch
 
 from molt_rollout.config import RefitConfig
-from molt_rollout.refit import EngineSet, Refitter
+from molt_rollout.refit import EngineSet, NcclTransport, Refitter
 
 
 class Engine:
@@ -19,6 +22,8 @@ class Engine:
         self.packed, self.log, self.loading = packed, log, threading.Lock()
 
     def post(self, path: str, json: dict | None = None, **params) -> dict:
+        if path == "/pause":
+            self.log.append("pause")
         if path != "/update_weights":
             return {}
         assert self.loading.acquire(blocking=False), "a bucket arrived during a load"
@@ -60,7 +65,33 @@ def test_the_next_bucket_is_packed_while_the_engines_load():
     refitter.close()
     assert times["refit/buckets"] == buckets
     assert not [line for line in log if line.endswith("alone")], log
+    assert log.index("pack 0") < log.index("pause") < log.index("pack 1")
     for k in range(1, buckets):  # bucket k reached the engines after both answered k - 1
         assert log.index(f"pack {k}") < log.index(f"loaded {k - 1}")
         first_load = min(i for i, line in enumerate(log) if line == f"load {k}")
         assert max(i for i, line in enumerate(log) if line == f"loaded {k - 1}") < first_load
+
+
+def test_the_nccl_rendezvous_listens_on_the_port_it_names(monkeypatch):
+    """The trainer's store is bound when the transport is made (no port picked and bound
+    later, which another process could take in between), and an engine worker joining at the
+    named port meets it. NCCL's communicator itself needs CUDA: here it only keeps the group
+    (the GPU tests run it)."""
+    import vllm.distributed.device_communicators.pynccl as pynccl
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    monkeypatch.setattr(pynccl, "PyNcclCommunicator", lambda group, device: group)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    transport = NcclTransport(world_size=2, timeout_s=30, bucket_bytes=1 << 20, address="127.0.0.1")
+    info = transport.worker_init_info(rank_offset=1)
+    with pytest.raises(OSError):  # taken: nobody else can bind it before the rendezvous
+        socket.create_server(("127.0.0.1", info["master_port"]))
+    joined = []
+    worker = threading.Thread(target=lambda: joined.append(StatelessProcessGroup.create(
+        info["master_address"], info["master_port"], rank=1, world_size=2)))  # fmt: skip
+    worker.start()
+    transport.connect()
+    worker.join(30)
+    assert joined and transport.group.rank == 0 and transport.group.world_size == 2
+    transport.group.broadcast_obj("weights ahead", src=0)
+    assert joined[0].broadcast_obj(None, src=0) == "weights ahead"

@@ -22,6 +22,7 @@ GPU (`--train.colocate`). All ship buckets of about `--refit.bucket_mb`, never o
 
 import contextlib
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size
 from molt_rollout.config import RefitConfig
-from molt_rollout.network import SINGLE_NODE, Network, check_reachable, free_port
+from molt_rollout.network import SINGLE_NODE, Network, check_reachable
 from molt_rollout.vllm_compat import nccl_packed_fields
 
 
@@ -116,7 +117,11 @@ class NcclTransport:
 
     def __init__(self, world_size: int, timeout_s: float, bucket_bytes: int, address: str) -> None:
         self.world_size, self.bucket_bytes, self.address = world_size, bucket_bytes, address
-        self.port = free_port(address)
+        self.timeout_s = timeout_s
+        # The rendezvous store listens on a socket bound here, to a port the system picks: one
+        # picked first and bound later could be taken in between (as the gloo store's was).
+        self.listener = socket.create_server((address, 0))
+        self.port = self.listener.getsockname()[1]
         self.group = None
         self.init_fields, self.update_fields = nccl_packed_fields(bucket_bytes)
 
@@ -129,10 +134,14 @@ class NcclTransport:
         return self.update_fields
 
     def connect(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        """vLLM's trainer side of the group (nccl_common.trainer_init), on the bound socket."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
 
-        self.group = trainer_init({"master_address": self.address, "master_port": self.port,
-                                   "world_size": self.world_size})  # fmt: skip
+        store = StatelessProcessGroup.create(self.address, self.port, 0, self.world_size,
+                                             store_timeout=int(self.timeout_s),
+                                             listen_socket=self.listener)  # fmt: skip
+        self.group = PyNcclCommunicator(store, device=torch.cuda.current_device())
 
     def send(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
