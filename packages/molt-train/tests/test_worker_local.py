@@ -60,29 +60,6 @@ def test_gather_matches_one_conversion_call_per_tensor(tmp_path, moe, dtype):
         assert any(".mlp.experts.0.gate_proj.weight" in name for name, _ in got)
 
 
-def test_a_world_of_one_gathers_nothing(tmp_path, monkeypatch):
-    """FSDP2 over one rank: the gather hands out the parameters themselves, with the values
-    the plain model holds, without DTensor's gather (its per-tensor dispatch was 43 us a
-    tensor on this machine against 6: the colocated refit's case, 311 tensors at 1.7B)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    model = load(tmp_path)
-    want = {name: t.clone() for name, t in model.state_dict().items()}
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        fully_shard(model)
-        own = {name: t.to_local().data_ptr() for name, t in model.state_dict().items()}
-        monkeypatch.setattr(DTensor, "full_tensor", lambda self, **_: pytest.fail("gathered"))
-        got = dict(worker_over(model).named_full_tensors())
-        assert got.keys() == want.keys()
-        for name, tensor in got.items():
-            assert torch.equal(tensor, want[name]) and tensor.data_ptr() == own[name], name
-    finally:
-        dist.destroy_process_group()
-
-
 def samples(vocab: int) -> list[Sample]:
     generator = torch.Generator().manual_seed(0)
     out = []
