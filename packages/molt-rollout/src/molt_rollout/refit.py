@@ -36,7 +36,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size
+from molt_rollout.buckets import iter_buckets, pack, packed_size
 from molt_rollout.config import RefitConfig
 from molt_rollout.network import SINGLE_NODE, Network, check_reachable
 from molt_rollout.vllm_compat import nccl_packed_fields
@@ -307,7 +307,7 @@ class Refitter(EngineSet):
             times[f"timing/refit_{name}"] = now - last
             last = now
 
-        updates = self._updates(iter_buckets(named_tensors, self.cfg.bucket_mb << 20, dtype), dtype)
+        updates = self._updates(named_tensors, dtype)
         ready = list(itertools.islice(updates, 1))  # bucket 0
         lap("first_bucket")
         start = last  # timing/refit_total: pause -> resume, what the engines feel
@@ -343,9 +343,10 @@ class Refitter(EngineSet):
             self.last_unupdated = unchanged
         return times
 
-    def _updates(self, buckets: Iterable[tuple[BucketMeta, list[torch.Tensor]]],
+    def _updates(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  dtype: torch.dtype | None) -> Iterator[tuple[dict, list[torch.Tensor], int]]:  # fmt: skip
         """Each bucket made ready to send: its `update_weights` body, tensors and size."""
+        buckets = iter_buckets(named_tensors, self.cfg.bucket_mb << 20, dtype)
         for index, (meta, tensors) in enumerate(buckets):
             fields = self.transport.bucket_fields(tensors, index, dtype)
             yield {"update_info": {**asdict(meta), **fields}}, tensors, meta.numbytes()
