@@ -255,12 +255,14 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, sig):
 
 
 def engine_servers(tree: list[psutil.Process]) -> list[psutil.Process]:
-    servers = []
+    """The engines' server processes. A server's own short-lived fork (before it execs or
+    renames itself) shows the same command line, so only the topmost of each is kept."""
+    servers = {}
     for p in tree:
         with contextlib.suppress(psutil.Error):
             if p.cmdline()[1:3] == ["-m", CPU_SERVER]:
-                servers.append(p)
-    return servers
+                servers[p] = p.ppid()
+    return [p for p, parent in servers.items() if parent not in {q.pid for q in servers}]
 
 
 def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
