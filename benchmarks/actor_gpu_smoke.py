@@ -15,6 +15,12 @@ transformers and NeMo AutoModel are needed (no Ray, no vLLM):
     PYTHONPATH=packages/molt-algos/src:packages/molt-train/src \\
       torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random
 
+    # context parallelism: one 32K-token sequence per step over two GPUs (--cp 1 for the
+    # single-GPU comparison; --dump-logprobs to compare the check's log-probs across runs)
+    ... torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random \\
+      --cp 2 --seq-len 32768 --tokens-per-rank 32768 --max-tokens-per-microbatch 32768 \\
+      --gradient-checkpointing
+
 Prints one JSON line of results from rank 0.
 """
 
@@ -178,6 +184,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel ranks")
+    parser.add_argument("--dump-logprobs", help="write check 1's log-probs here (rank 0, JSON)")
     parser.add_argument("--offload", default="none")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--moe", action="store_true", help="--write-model: a Qwen3-MoE")
@@ -220,7 +228,7 @@ def main() -> None:
         optim=OptimConfig(lr=1e-4 if args.lora_rank else 1e-6),
         lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
     )
-    fsdp = FSDPConfig(tp_size=args.tp, ep_size=args.ep, offload=args.offload)
+    fsdp = FSDPConfig(tp_size=args.tp, cp_size=args.cp, ep_size=args.ep, offload=args.offload)
     on_gpu = not args.cpu
     gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else 0
     validate_actor_config(cfg, fsdp)
@@ -250,13 +258,17 @@ def main() -> None:
         abs(a - b) for p, q in zip(packed, alone, strict=True) for a, b in zip(p, q, strict=True)
     )
     results["packed_vs_alone_max_abs_diff"] = diff
+    if args.dump_logprobs and rank == 0:  # to compare runs (e.g. --cp 2 against --cp 1)
+        with open(args.dump_logprobs, "w") as f:
+            json.dump(packed, f)
 
     # 2. Optimizer steps over this rank's share of a batch (same plan on every rank).
-    dp = world // args.tp
+    replicas = args.tp * args.cp  # ranks that share one data-parallel share
+    dp = world // replicas
     count = args.tokens_per_rank * dp // args.seq_len
     samples = random_samples(vocab, count, args.seq_len, seed=2)
     plan = plan_microbatches(samples, args.max_tokens_per_microbatch, dp, padded)
-    mine = [[samples[i] for i in mb] for mb in plan[rank // args.tp]]
+    mine = [[samples[i] for i in mb] for mb in plan[rank // replicas]]
     for mb, values in zip(mine, worker.forward_logprobs(mine), strict=True):
         for sample, old in zip(mb, values, strict=True):
             sample.old_logprobs = old

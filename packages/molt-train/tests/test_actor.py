@@ -103,7 +103,7 @@ def test_validate_actor_config_names_the_flags():
     validate_actor_devices(ok, FSDPConfig(tp_size=2, ep_size=2), 8)
     cases = [
         (ok, FSDPConfig(tp_size=3), "--fsdp.tp_size"),
-        (ok, FSDPConfig(cp_size=2), "--fsdp.cp_size"),
+        (ok, FSDPConfig(cp_size=2, tp_size=2), "--fsdp.cp_size"),
         (ActorConfig(optim=OptimConfig(schedule="cosine")), FSDPConfig(), "total_steps"),
         (ActorConfig(optim=OptimConfig(lr=1e-6, min_lr=1e-5)), FSDPConfig(), "min_lr"),
         (

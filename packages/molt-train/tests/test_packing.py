@@ -200,8 +200,10 @@ def test_document_attention_varlen_matches_its_reference(monkeypatch):
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     calls = []
-    varlen = attention._varlen
-    monkeypatch.setattr(attention, "_varlen", lambda *args: calls.append(1) or varlen(*args))
+    varlen = attention.varlen_attention
+    monkeypatch.setattr(
+        attention, "varlen_attention", lambda *args: calls.append(1) or varlen(*args)
+    )
 
     def run(autocast: bool):
         q, k, v = (x.cuda().requires_grad_(True) for x in inputs)

@@ -32,7 +32,8 @@ class FSDPConfig:
     """How every model is sharded and parallelised (`--fsdp.*`; AutoModel's FSDP2)."""
 
     tp_size: int = 1  # tensor parallel ranks (GPU; AutoModel)
-    cp_size: int = 1  # context parallel ranks: > 1 is rejected (not wired to packing yet)
+    # context parallel ranks: each runs 1/cp_size of every packed row (molt_train.context_parallel)
+    cp_size: int = 1
     ep_size: int = 1  # expert parallel ranks for MoE models (GPU; AutoModel)
     offload: Literal["none", "optimizer"] = "none"  # optimizer: Adam states, fp32 params on host
     reshard_after_forward: bool = True  # ZeRO-3; False keeps layers gathered (ZeRO-2-like)
@@ -90,12 +91,10 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
         raise ValueError(f"--fsdp.tp_size * --fsdp.cp_size must divide --actor.num_workers {n}")
     if (n // fsdp.tp_size) % fsdp.ep_size:
         raise ValueError("--fsdp.ep_size must divide --actor.num_workers / --fsdp.tp_size")
-    if fsdp.cp_size > 1:
+    if fsdp.cp_size > 1 and (fsdp.tp_size > 1 or fsdp.ep_size > 1):
         raise ValueError(
-            "--fsdp.cp_size > 1 is not supported: microbatches pack several sequences into one "
-            "row (block-diagonal attention), and AutoModel's context parallelism over SDPA "
-            "(ring attention) needs one plain causal sequence per row. Use more "
-            "--actor.num_workers or a smaller --actor.max_tokens_per_microbatch instead."
+            "--fsdp.cp_size > 1 with --fsdp.tp_size or --fsdp.ep_size > 1: context parallelism "
+            "is not combined with tensor or expert parallelism yet; use one of them"
         )
     if actor.max_tokens_per_microbatch < 1 or actor.logprob_chunk_size < 1:
         raise ValueError("--actor.max_tokens_per_microbatch and --actor.logprob_chunk_size >= 1")

@@ -81,7 +81,8 @@ def document_attention(
         dtype = torch.get_autocast_dtype("cuda") if autocast else query.dtype
         if dtype in (torch.float16, torch.bfloat16):
             q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
-            out = _varlen(q, k, v, cu, kwargs["max_length_q"], scaling)
+            longest = kwargs["max_length_q"]
+            out = varlen_attention(q, k, v, (cu, cu), (longest, longest), scaling)
             return out[None], None
     bounds = cu.tolist()  # a host copy on CPU; one device sync on the rare GPU fallback
     pieces = [
@@ -98,8 +99,13 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale) -> Tensor:
-    """torch's varlen FlashAttention, causal within each document: [T, H, D] -> [T, H, D]."""
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu: tuple[Tensor, Tensor], longest: tuple[int, int], scale
+) -> Tensor:
+    """torch's varlen FlashAttention, causal within each document: q [Tq, H, D], k/v [Tk, Hkv,
+    D] -> [Tq, H, D]. `cu` and `longest`: the documents' offsets and longest length in q and
+    in k. Where a document has fewer queries than keys (a context-parallel window), the causal
+    mask is aligned bottom-right: its last query sees its last key."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
@@ -113,4 +119,4 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale) ->
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+    return varlen_attn(q, k, v, *cu, *longest, **extra)

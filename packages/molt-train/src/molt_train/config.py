@@ -261,10 +261,11 @@ def validate_score_centering(cfg: RunConfig) -> None:
             f"{adv.is_correction_level}: centring corrects per token and composes with token IS "
             "weights only; a sequence gate would mix the two corrections. Use level token or off"
         )
-    if cfg.fsdp.tp_size > 1 or cfg.fsdp.ep_size > 1:
+    if cfg.fsdp.tp_size > 1 or cfg.fsdp.ep_size > 1 or cfg.fsdp.cp_size > 1:
         raise ValueError(
-            "--algo.score_centering computes candidate log-probs from the hidden states, which "
-            "--fsdp.tp_size > 1 or --fsdp.ep_size > 1 do not give: use 1 for both"
+            "--algo.score_centering computes candidate log-probs from the whole row's hidden "
+            "states, which --fsdp.tp_size, --fsdp.ep_size or --fsdp.cp_size > 1 do not give: "
+            "use 1 for each"
         )
 
 
@@ -334,6 +335,11 @@ def validate_asynchrony(cfg: RunConfig) -> None:
             "--train.routing_replay with --vllm.mtp_num_speculative_tokens > 0: speculative "
             "decoding verifies draft tokens in batches, so the engine's routed experts are not "
             "those of the sampled tokens one by one; disable one of the two"
+        )
+    if train.routing_replay and cfg.fsdp.cp_size > 1:
+        raise ValueError(
+            "--train.routing_replay with --fsdp.cp_size > 1: replay runs on native MoE layers, "
+            "whose rows are not split into context-parallel windows; use --fsdp.cp_size 1"
         )
     if train.routing_replay and not cfg.vllm.enable_return_routed_experts:
         raise ValueError(

@@ -55,7 +55,9 @@ class ModelGroup:
         on_gpu = ray.cluster_resources().get("GPU", 0) > 0 if on_gpu is None else on_gpu
         self.cfg, self.fsdp, self.role, self.on_gpu = cfg, fsdp, role, on_gpu
         n = cfg.num_workers
-        self.dp_size = n // fsdp.tp_size
+        # TP and CP ranks of one data-parallel group get the same microbatches.
+        self.replicas = fsdp.tp_size * fsdp.cp_size
+        self.dp_size = n // self.replicas
         model_path = cfg.model_path
         if not model_path:  # built once here, not raced by the workers
             from molt_rollout.tiny_model import build_tiny_model
@@ -111,11 +113,11 @@ class ModelGroup:
         return ray.get(refs)
 
     def _per_rank(self, plan: list[list[list[int]]], samples: list):
-        """The microbatches of each worker (or any per-sample values laid out like them): TP
-        ranks of one data-parallel group share theirs."""
-        tp = self.fsdp.tp_size
+        """The microbatches of each worker (or any per-sample values laid out like them): the
+        TP and CP ranks of one data-parallel group share theirs (AutoModel's mesh orders
+        ranks dp, cp, tp)."""
         return [
-            [[samples[i] for i in mb] for mb in plan[rank // tp]]
+            [[samples[i] for i in mb] for mb in plan[rank // self.replicas]]
             for rank in range(len(self.workers))
         ]
 
@@ -129,7 +131,7 @@ class ModelGroup:
         plan = self._plan(samples)
         per_rank = self._per_rank(plan, samples)
         results = self._all(lambda r, w: w.forward_logprobs.remote(per_rank[r]))
-        return unplan(plan, results[:: self.fsdp.tp_size], len(samples))
+        return unplan(plan, results[:: self.replicas], len(samples))
 
     def forward_values(self, samples: list[Sample]) -> list[list[float]]:
         """Critic values V(token_ids[:t]) at each trained position t (0.0 elsewhere)."""
@@ -168,7 +170,7 @@ class ModelGroup:
         )  # fmt: skip
         if not return_logprobs:
             return results[0]
-        logprobs = unplan(plan, [rows for _, rows in results[:: self.fsdp.tp_size]], len(samples))
+        logprobs = unplan(plan, [rows for _, rows in results[:: self.replicas]], len(samples))
         return results[0][0], logprobs
 
     def full_state(self) -> dict:

@@ -41,6 +41,7 @@ from molt_train.actor_config import (
 )
 from molt_train.attention import enable_document_attention
 from molt_train.checkpoint import load_sharded, rng_state, save_sharded, set_rng_state
+from molt_train.context_parallel import ContextShard, enable_context_attention
 from molt_train.lora import adapter_scales, add_adapters, peft_config
 from molt_train.packing import PackedBatch, Sample, empty_batch, pack
 from molt_train.step_metrics import all_reduce_step_metrics, peak_memory_gb
@@ -104,7 +105,10 @@ class ModelWorker(WeightsOut):
         self.cfg, self.fsdp, self.role = cfg, fsdp, role
         self.routing_replay = routing_replay  # molt_train.routing_replay
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
-        self.dp_size = world_size // fsdp.tp_size  # ranks of one TP group see the same data
+        # The ranks FSDP averages gradients over (data x context parallel): each loss is
+        # scaled by it. The ranks of one TP group see the same data.
+        self.dp_cp_size = world_size // fsdp.tp_size
+        self.shard: ContextShard | None = None  # this rank's context-parallel group, if any
         self.refitter = None  # rank 0's: molt_rollout's Refitter or AdapterRefitter
         self.adapter_dir = ""  # rank 0, adapter refit: each version's adapter goes below it
         self.unconverted: set[str] | None = None  # names revert_weight_conversion leaves alone
@@ -191,7 +195,10 @@ class ModelWorker(WeightsOut):
         # kernel). docs/benchmarks.md, "The quickstart: step time and start-up".
         self.padded = not self.on_gpu or not packs_sequences(self.model)
         packed_gpu = self.on_gpu and not self.padded and compute != torch.float32
-        if packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
+        if self.fsdp.cp_size > 1:  # windows of packed rows, on CPU too
+            self.shard = self._context_shard()
+            self.padded = False
+        elif packed_gpu and self.role != "critic" and self.fsdp.tp_size == 1:
             # Packed rows without transformers' dense block mask (molt_train.attention), whose
             # fast path needs 16-bit compute; not yet measured for the critic's class or under
             # TP. CPU keeps SDPA's mask: the same results, and the document path's reference.
@@ -219,6 +226,23 @@ class ModelWorker(WeightsOut):
             self.optimizer, lambda step: lr_at(step, optim) / optim.lr
         )
         return self.padded
+
+    def _context_shard(self) -> ContextShard:
+        """This rank's CP group (AutoModel's "cp" mesh axis), the model's attention routed
+        through molt_train.context_parallel."""
+        if not packs_sequences(self.model):
+            raise ValueError(
+                f"--fsdp.cp_size > 1: {self.model_path}'s layers attend over the whole row, "
+                "not per packed document (a native AutoModel MoE class): use --fsdp.cp_size 1"
+            )
+        if is_multimodal(self.model_path):  # a window would hold part of an image's tokens
+            raise ValueError(
+                f"--fsdp.cp_size > 1 with a vision-language model ({self.model_path}) is not "
+                "supported: use --fsdp.cp_size 1"
+            )
+        enable_context_attention(self.model)
+        mesh = self.setup_.mesh_context.device_mesh["cp"]
+        return ContextShard(mesh.get_group(), mesh.get_local_rank(), mesh.size())
 
     def _build_model(self, path: str) -> torch.nn.Module:
         """GPU: AutoModel's factory (native model classes, TP/EP), fp32 master weights with the
@@ -297,6 +321,7 @@ class ModelWorker(WeightsOut):
                 # policy (fp32 next to bf16 hidden states): let the model project there.
                 from_hidden=self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1,
                 head_ids=head_ids,
+                shard=self.shard,
             )
 
     @torch.no_grad()
@@ -360,7 +385,7 @@ class ModelWorker(WeightsOut):
 
             def reduce(per_token: Tensor, mask: Tensor, loss: str) -> Tensor:
                 mode = algo.aggregation_of(loss)
-                return aggregate(per_token, mask, mode, dp_size=self.dp_size, window=window)
+                return aggregate(per_token, mask, mode, dp_size=self.dp_cp_size, window=window)
 
             return reduce
 
@@ -399,7 +424,7 @@ class ModelWorker(WeightsOut):
             device_mesh=mesh,
             moe_mesh=moe_mesh,
             ep_axis_name="ep" if moe_mesh is not None else None,
-            dp_group_size=self.dp_size,
+            dp_group_size=self.dp_cp_size,
             expert_tp_replication_factor=get_expert_tp_replication_factor([self.model], mesh),
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step is taken with
@@ -408,9 +433,9 @@ class ModelWorker(WeightsOut):
         self.scheduler.step()
         self.steps += 1
 
-        metrics = all_reduce_step_metrics(
-            totals, weighted, num_tokens, self.fsdp.tp_size, self.device
-        )
+        # TP and CP ranks of one data-parallel group hold the same (whole-row) values.
+        replicas = self.fsdp.tp_size * self.fsdp.cp_size
+        metrics = all_reduce_step_metrics(totals, weighted, num_tokens, replicas, self.device)
         metrics.update(
             {
                 "train/grad_norm": float(grad_norm),
@@ -483,7 +508,7 @@ class ModelWorker(WeightsOut):
             )
             loss = loss + kl_cfg.loss_coef * reduce(kl, mask, "kl")
             stats["loss/ref_kl"] = masked_mean(kl.detach(), mask)  # the loss term's KL
-        return loss, {"loss/policy": policy_loss.detach() / self.dp_size}, stats, old
+        return loss, {"loss/policy": policy_loss.detach() / self.dp_cp_size}, stats, old
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
@@ -495,7 +520,7 @@ class ModelWorker(WeightsOut):
         old = values.detach() if old is None else old
         result = value_loss(values, old, returns, batch.loss_mask, value_clip)
         loss = reduce(result.per_token, batch.loss_mask, "value")
-        return loss, {"loss/value": loss.detach() / self.dp_size}, result.metrics
+        return loss, {"loss/value": loss.detach() / self.dp_cp_size}, result.metrics
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -14,11 +14,12 @@ def all_reduce_step_metrics(
     totals: dict[str, torch.Tensor | float],
     weighted: dict[str, torch.Tensor | float],
     num_tokens: int,
-    tp_size: int,
+    replicas: int,
     device: torch.device,
 ) -> dict[str, float]:
     """`totals` summed over ranks; `weighted` (sums of value x tokens) summed, then divided by
-    the window's `num_tokens`: token-weighted means. Every rank must pass the same keys. The
+    the window's `num_tokens`: token-weighted means; `replicas` ranks (TP x CP) hold each
+    data-parallel share's values. Every rank must pass the same keys. The
     values may be device scalars: they are read here, in one go."""
     keys = sorted(totals), sorted(weighted)
     entries = [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]]
@@ -28,7 +29,7 @@ def all_reduce_step_metrics(
         else torch.zeros(0, dtype=torch.float64, device=device)
     )
     dist.all_reduce(values)
-    values = (values / tp_size).tolist()  # a TP group holds one copy of the data
+    values = (values / replicas).tolist()  # the ranks holding one copy of the data
     out = dict(zip(keys[0], values[: len(keys[0])], strict=True))
     for key, value in zip(keys[1], values[len(keys[0]) :], strict=True):
         out[key] = value / max(num_tokens, 1)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_train.attention import DOCUMENT_ATTENTION, document_kwargs
+from molt_train.context_parallel import ContextShard, window
 from molt_train.packing import PackedBatch, shift_right
 
 
@@ -32,18 +33,36 @@ def packed_token_stats(
     critic: bool = False,
     from_hidden: bool = True,
     head_ids: Tensor | None = None,
+    shard: ContextShard | None = None,
 ) -> TokenStats:
     """Per-token log-probs of the temperature-scaled distribution (values, for a critic) and
     entropy of one packed microbatch, as [S, L] rows aligned with each sample's token_ids;
-    with `head_ids` [S, L, K] (from_hidden only), the log-probs of those candidates too."""
+    with `head_ids` [S, L, K] (from_hidden only), the log-probs of those candidates too.
+    With `shard`, the model runs on this rank's window of the row (molt_train.context_parallel)
+    and the results are the whole row's."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
     inputs.update(batch.images)  # a multimodal policy's pixel values; none for text
     if model.config._attn_implementation == DOCUMENT_ATTENTION and batch.cu_seqlens is not None:
         inputs.update(document_kwargs(batch.cu_seqlens, batch.lengths))
-    targets = batch.input_ids[:, 1:]
+    targets = batch.input_ids[:, 1:]  # the tokens positions 0..T-2 predict
+    part = None
+    if shard is not None:
+        if head_ids is not None:
+            raise ValueError("candidate log-probs are not computed under context parallelism")
+        part = window(batch, shard)
+        inputs.update(part.inputs)
+        targets = part.targets
+
+    def rows(per_position: Tensor) -> Tensor:
+        """Values of the predicting positions -> [S, L] rows (the whole row's, under CP)."""
+        if part is not None:
+            per_position = part.whole(per_position)
+        return batch.to_rows(shift_right(per_position))
+
+    predicting = targets.shape[1]  # the first positions of the model's output
     if critic:
-        values = model(**inputs).logits[:, :-1, 0].float()
-        return TokenStats(batch.to_rows(shift_right(values)))
+        values = model(**inputs).logits[:, :predicting, 0].float()
+        return TokenStats(rows(values))
     head = None
     if from_hidden:
         # Project only one position in the model; log-probs come from the final hidden states
@@ -53,7 +72,7 @@ def packed_token_stats(
         out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
         # A tuple of every layer's states (transformers) or only the final one (some native
         # AutoModel classes, e.g. Qwen3-MoE): AutoModel's helper reads either.
-        hidden, weight = get_final_hidden_states(out)[:, :-1], model.lm_head.weight
+        hidden, weight = get_final_hidden_states(out)[:, :predicting], model.lm_head.weight
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # Autocast does not reach a custom Function's backward: cast here, as autocast would
@@ -64,9 +83,9 @@ def packed_token_stats(
         logprobs, entropy = token_logprobs_and_entropy(
             hidden, weight, targets, batch.temperature, chunk_size, with_entropy
         )
-        rows = batch.to_rows(shift_right(logprobs))
+        sampled = rows(logprobs)
         if head_ids is not None:
-            head = candidate_logprobs(hidden, weight, batch, rows, head_ids)
+            head = candidate_logprobs(hidden, weight, batch, sampled, head_ids)
     else:
         if head_ids is not None:
             raise ValueError("candidate log-probs need the hidden-state path (no TP, no EP)")
@@ -76,10 +95,10 @@ def packed_token_stats(
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         logprobs, entropy = logprobs_from_logits(
-            logits[:, :-1], targets, batch.temperature, chunk_size, with_entropy
+            logits[:, :predicting], targets, batch.temperature, chunk_size, with_entropy
         )
-        rows = batch.to_rows(shift_right(logprobs))
-    return TokenStats(rows, None if entropy is None else batch.to_rows(shift_right(entropy)), head)
+        sampled = rows(logprobs)
+    return TokenStats(sampled, None if entropy is None else rows(entropy), head)
 
 
 def candidate_logprobs(
