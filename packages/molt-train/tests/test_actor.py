@@ -176,6 +176,21 @@ def test_gathered_tensors_are_the_hf_state_dict(policy, hf_model):
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0)
 
 
+def test_shards_cast_before_their_gather_give_the_cast_state_dict(policy, hf_model):
+    """The refit's and the export's 16-bit gather casts each shard first (half the bytes over
+    the wire): on every rank, exactly the full fp32 tensors cast afterwards."""
+
+    def gather(worker) -> dict[str, torch.Tensor]:
+        return dict(worker.named_full_tensors(gather_in=torch.bfloat16))
+
+    expected = hf_model.state_dict()
+    for state in policy._all(lambda rank, worker: worker.__ray_call__.remote(gather)):
+        assert list(state) == list(expected)
+        for name, tensor in expected.items():
+            assert state[name].dtype == torch.bfloat16, name
+            assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+
+
 def test_two_workers_step_like_one_worker(policy, tiny_model, hf_model):
     """Microbatching and the data-parallel split leave the update unchanged: the loss of each
     microbatch is its share of the window's global token mean (times dp_size against FSDP's

@@ -86,7 +86,7 @@ def merge_adapters(
     dict, so it waits here until both have passed: one layer's weight at a time."""
     waiting: dict[str, dict[str, Tensor]] = {}
     for name, tensor in named:
-        layer = _adapted_layer(name, scales)
+        layer = adapted_layer(name, scales)
         if layer is None:  # not adapted, or an adapted layer's bias: served as trained
             yield name, tensor
             continue
@@ -101,7 +101,7 @@ def merge_adapters(
         raise RuntimeError(f"LoRA layers without both adapters in the state dict: {list(waiting)}")
 
 
-def _adapted_layer(name: str, scales: dict[str, float]) -> str | None:
+def adapted_layer(name: str, scales: dict[str, float]) -> str | None:
     """The adapted layer a state-dict entry belongs to (its W, A or B), or None."""
     for suffix in ADAPTER_KEYS + (".weight",):
         if name.endswith(suffix) and name[: -len(suffix)] in scales:

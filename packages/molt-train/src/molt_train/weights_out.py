@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from molt_train.actor_config import DTYPES
 from molt_train.checkpoint import write_hf_checkpoint
-from molt_train.lora import ADAPTER_KEYS, merge_adapters, write_adapter
+from molt_train.lora import ADAPTER_KEYS, adapted_layer, merge_adapters, write_adapter
 
 
 def _hf_name(name: str) -> str:
@@ -48,16 +48,28 @@ def _drain(tensors) -> None:
 class WeightsOut:
     """Refit, export and full-state methods of `ModelWorker` (see there for the attributes)."""
 
-    def named_full_tensors(self, dtype: torch.dtype | None = None):
+    def named_full_tensors(
+        self, dtype: torch.dtype | None = None, gather_in: torch.dtype | None = None
+    ):
         """(name, full tensor) for every state-dict entry, unsharded, named and shaped as in the
-        model's Hugging Face checkpoint (what vLLM loads). Every rank must iterate it in step:
-        each gather is a collective."""
+        model's Hugging Face checkpoint (what vLLM loads), in `dtype` (None: as stored).
+        Sharded tensors are cast to `gather_in` (default `dtype`) before their gather: in 16
+        bits, half the bytes of the fp32 master weights cross the wire. Every rank must
+        iterate it in step: each gather is a collective."""
         from transformers.core_model_loading import revert_weight_conversion
 
         adapter = getattr(self.model, "state_dict_adapter", None)
         state = self.model.state_dict()
         as_is = self._unconverted(state)
-        gathered = ((_hf_name(name), self._full(tensor)) for name, tensor in state.items())
+        early = gather_in or dtype
+
+        def full(name: str, tensor: Tensor) -> tuple[str, Tensor]:
+            name = _hf_name(name)
+            # An adapted layer's W, A and B are merged in fp32 first (molt_train.lora).
+            merged = adapted_layer(name, self.lora_scales) is not None
+            return name, self._full(tensor, None if merged else early)
+
+        gathered = (full(name, tensor) for name, tensor in state.items())
         if self.lora_scales:  # the engines serve W + s B A under W's name (molt_train.lora)
             gathered = merge_adapters(gathered, self.lora_scales)
         for name, tensor in gathered:
@@ -109,10 +121,12 @@ class WeightsOut:
                 "checkpoint, so vLLM could not apply its adapter; use --actor.lora.refit merged"
             )
 
-    def _full(self, tensor: Tensor) -> Tensor:
+    def _full(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """The full tensor of a shard, cast to `dtype` before the gather; an unsharded tensor
+        as it is (its cast comes later, fused with the next copy where there is one)."""
         if isinstance(tensor, DTensor):
             # With offload the shards live on the host; gather on the device.
-            tensor = tensor.to(self.device).full_tensor()
+            tensor = tensor.to(self.device, dtype or tensor.dtype).full_tensor()
         return tensor.detach()
 
     def full_state(self) -> dict | None:
@@ -172,7 +186,8 @@ class WeightsOut:
             torch.cuda.current_stream().synchronize()
         if self.lora is not None and self.lora.refit == "adapter":
             return self._refit_adapter(version, dtype)
-        tensors = self.named_full_tensors()  # cast to `dtype` as they are packed (buckets.py)
+        # Unsharded tensors are cast to `dtype` as they are packed (buckets.py).
+        tensors = self.named_full_tensors(gather_in=dtype)
         try:
             if self.rank == 0:
                 return self.refitter.refit(tensors, version, pause_mode, dtype)
