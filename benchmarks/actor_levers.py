@@ -96,6 +96,7 @@ RL_VARIANTS = {
 
 def gather_levers(args, ctx) -> None:
     """The refit gather against a bare state-dict loop casting to bf16, and prototypes."""
+    from torch.distributed.tensor import DTensor
     from transformers.core_model_loading import revert_weight_conversion
 
     import molt_train.model_worker as wm
@@ -103,12 +104,16 @@ def gather_levers(args, ctx) -> None:
     worker, timer = ctx["worker"], ctx["timer"]
     model = worker.model
     bf16 = torch.bfloat16
+    sharded = any(isinstance(v, DTensor) for v in model.state_dict().values())
+
+    def full(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def worker_gather():
         return sum(t.numel() for _, t in worker.named_full_tensors(bf16))
 
-    def bare_loop():
-        return sum(v.detach().to(bf16).numel() for v in model.state_dict().values())
+    def bare_loop():  # sharded: each tensor cast, then gathered (DTensor.full_tensor)
+        return sum(full(v.detach().to(bf16)).numel() for v in model.state_dict().values())
 
     def state_dict_only():
         return len(model.state_dict())
@@ -134,17 +139,20 @@ def gather_levers(args, ctx) -> None:
         torch._foreach_copy_(outs, vals)
         return len(outs)
 
+    probes = [("named_full_tensors", worker_gather), ("bare_loop", bare_loop),
+              ("state_dict_only", state_dict_only)]  # fmt: skip
+    if not sharded:  # the world-of-one prototypes (plain tensors)
+        probes += [("revert_only_per_tensor", revert_only), ("loop_no_revert", no_revert),
+                   ("one_revert_call", one_revert), ("foreach_copy_cast", foreach_cast)]  # fmt: skip
     res = {}
-    for name, fn in [("named_full_tensors", worker_gather), ("bare_loop", bare_loop),
-                     ("state_dict_only", state_dict_only), ("revert_only_per_tensor", revert_only),
-                     ("loop_no_revert", no_revert), ("one_revert_call", one_revert),
-                     ("foreach_copy_cast", foreach_cast)]:  # fmt: skip
+    for name, fn in probes:
         ts = []
         for _ in range(args.warmup + args.steps):
             s, _, _ = timer(fn)
             ts.append(s)
         res[name] = statistics.median(ts[args.warmup :])
-    nbytes = sum(v.numel() for v in model.state_dict().values()) * 2
+    nbytes = sum(full(v).numel() for v in model.state_dict().values()) * 2
+    res["sharded"] = sharded
     res["gb_bf16"] = nbytes / 1e9
     res["ratio_named_full_tensors_vs_bare"] = res["named_full_tensors"] / res["bare_loop"]
     res["adapter"] = type(getattr(model, "state_dict_adapter", None)).__name__

@@ -3,7 +3,9 @@ set of tokens (issue 12). Measurement only: the project's code runs unchanged; t
 fixes ("levers") are prototyped here, as patches of module globals, so that each one's effect
 is a measured number before anything in packages/ changes.
 
-One torchrun process per GPU (a world of one is what it was written and run for):
+One torchrun process per GPU (a world of one is what it was written and run for; at
+--nproc-per-node 2 the bare model is sharded like the worker's, FSDP2 over both ranks, and
+the gather section compares with a bare loop of `full_tensor()` calls):
 
     # a random Qwen3-1.7B-shaped checkpoint (actor_gpu_smoke's writer, run on the GPU)
     python benchmarks/actor_vs_automodel.py --write-model /tmp/q3
@@ -305,6 +307,12 @@ def main() -> None:
 
         bare_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                           attn_implementation="sdpa")  # fmt: skip
+        if world > 1:  # the worker's sharding (AutoModel's FSDP2 over the same mesh)
+            from nemo_automodel.components.distributed.model_parallelizer import (
+                parallelize_model,
+            )
+
+            bare_model = parallelize_model(bare_model, worker.setup_.mesh_context)
     bare = Bare(bare_model, torch.bfloat16 if on_gpu else None, worker.device)
     bare_varlen = Bare.__new__(Bare)
     bare_varlen.__dict__.update(bare.__dict__)
