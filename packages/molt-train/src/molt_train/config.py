@@ -204,6 +204,7 @@ def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None
         validate_checkpoints(cfg)
         validate_colocation(cfg)
         validate_adapter_refit(cfg)
+        validate_model_ranks(cfg)
     except ValueError as error:
         raise StartupError(str(error)) from None
     if cluster_gpus is not None:
@@ -453,6 +454,27 @@ def model_roles(cfg: RunConfig) -> list[str]:
     """The models the run trains or queries (policy first)."""
     roles = ["policy"] + (["reference"] if cfg.ref.enable else [])
     return roles + (["critic"] if cfg.algo.advantage.estimator == "gae" else [])
+
+
+def validate_model_ranks(cfg: RunConfig) -> None:
+    """Every model group is parallelised by the same `--fsdp.*` sizes: the reference's and the
+    critic's ranks must divide into them as the actor's do (validate_actor_config)."""
+    fsdp = cfg.fsdp
+    flags = {"reference": "--ref.num_workers", "critic": "--critic.num_workers"}
+    for role, ranks in zip(model_roles(cfg), model_ranks(cfg), strict=True):
+        if role == "policy":
+            continue
+        if (
+            ranks < 1
+            or ranks % (fsdp.tp_size * fsdp.cp_size)
+            or (ranks // fsdp.tp_size) % fsdp.ep_size
+        ):
+            raise ValueError(
+                f"{flags[role]} {ranks}: every model is parallelised by --fsdp.tp_size "
+                f"{fsdp.tp_size}, --fsdp.cp_size {fsdp.cp_size} and --fsdp.ep_size "
+                f"{fsdp.ep_size}, so its ranks must be a multiple of tp_size x cp_size, "
+                "with ep_size dividing ranks / tp_size"
+            )
 
 
 def model_ranks(cfg: RunConfig) -> list[int]:
