@@ -27,6 +27,7 @@ def say(*parts) -> None:
 
 def dump(out_dir: str | None) -> None:
     if out_dir and int(os.environ.get("RANK", 0)) == 0:
+        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
 
