@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from molt_train.attention import varlen_attention
-from molt_train.packing import PackedBatch
+from molt_train.packing import PackedBatch, _to
 
 CONTEXT_ATTENTION = "molt_context"
 
@@ -97,8 +97,8 @@ def window(batch: PackedBatch, shard: ContextShard) -> Window:
     key_start = pieces[0][2]
     local = [(qs - lo, qe - lo, ks - key_start, ke - key_start) for qs, qe, ks, ke in pieces]
 
-    def offsets(spans: list[int]) -> Tensor:
-        return torch.tensor([0, *spans]).cumsum(0, dtype=torch.int32).to(ids.device)
+    def offsets(spans: list[int]) -> Tensor:  # from host ints: to a GPU without a sync
+        return _to(torch.tensor([0, *spans]).cumsum(0, dtype=torch.int32), ids.device)
 
     layout = KeyLayout(
         shard=shard,
