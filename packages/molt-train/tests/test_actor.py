@@ -191,6 +191,34 @@ def test_shards_cast_before_their_gather_give_the_cast_state_dict(policy, hf_mod
             assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
 
 
+def test_the_bucketed_gather_cuts_uneven_row_blocks(policy):
+    """Rows that do not divide by the ranks (5 rows: blocks of 3 and 2; 7: 4 and 3), two
+    tensors in one bucket, a cast, a plain tensor between sharded ones, in state order."""
+
+    def gather(worker) -> list[tuple[str, torch.Tensor]]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from molt_train.weights_out import gather_full
+
+        mesh = init_device_mesh("cpu", (2,))
+        a, b = torch.arange(15.0).view(5, 3), torch.arange(7.0)
+
+        def rows(t: torch.Tensor):
+            return distribute_tensor(t, mesh, [Shard(0)])
+
+        items = [("a16", rows(a), torch.bfloat16), ("plain", torch.ones(2), None),
+                 ("b", rows(b), None), ("a", rows(a), None)]  # fmt: skip
+        return list(gather_full(items, torch.device("cpu"), lambda t, dtype: t))
+
+    a, b = torch.arange(15.0).view(5, 3), torch.arange(7.0)
+    want = [("a16", a.to(torch.bfloat16)), ("plain", torch.ones(2)), ("b", b), ("a", a)]
+    for got in policy._all(lambda rank, worker: worker.__ray_call__.remote(gather)):
+        assert [name for name, _ in got] == [name for name, _ in want]
+        for (_, tensor), (_, expected) in zip(got, want, strict=True):
+            assert tensor.dtype == expected.dtype and torch.equal(tensor, expected)
+
+
 def test_two_workers_step_like_one_worker(policy, tiny_model, hf_model):
     """Microbatching and the data-parallel split leave the update unchanged: the loss of each
     microbatch is its share of the window's global token mean (times dp_size against FSDP's

@@ -6,14 +6,16 @@ be called on every rank at once (every gather is a collective)."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from molt_train.actor_config import DTYPES
 from molt_train.checkpoint import write_hf_checkpoint
@@ -37,6 +39,73 @@ def _unconverted_names(model: torch.nn.Module, state: dict[str, Tensor]) -> set[
     }
     reverted = revert_weight_conversion(model, probe)
     return {name for name, t in reverted.items() if probe.get(name) is t}
+
+
+# Full bytes per collective of the bucketed gather: per-tensor collectives cost more than
+# their bytes (docs/benchmarks.md, "The sharded refit gather").
+GATHER_BUCKET_BYTES = 512 << 20
+
+
+def _row_sharded(tensor: Tensor) -> bool:
+    """FSDP2's layout: a DTensor cut into row blocks over a 1-D mesh (torch.chunk's sizes)."""
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.dim() > 0
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+    )
+
+
+def gather_full(items, device: torch.device, full_one) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) for each (name, tensor, dtype to gather in or None) in order. Runs of
+    row-sharded tensors of one dtype and mesh are gathered a bucket at a time, one all-gather
+    each; anything else through `full_one(tensor, dtype)`. Every rank gets every tensor."""
+    run: list[tuple[str, Tensor, torch.dtype]] = []
+    size = 0
+
+    def flush():
+        nonlocal size
+        if run:
+            yield from _gather_bucket(list(run), device)
+            run.clear()
+            size = 0
+
+    for name, tensor, dtype in items:
+        if not _row_sharded(tensor):
+            yield from flush()
+            yield name, full_one(tensor, dtype)
+            continue
+        dtype = dtype or tensor.dtype
+        nbytes = tensor.numel() * dtype.itemsize
+        same = run and run[0][1].device_mesh == tensor.device_mesh and run[0][2] == dtype
+        if run and (not same or size + nbytes > GATHER_BUCKET_BYTES):
+            yield from flush()
+        run.append((name, tensor, dtype))
+        size += nbytes
+    yield from flush()
+
+
+def _gather_bucket(run: list[tuple[str, Tensor, torch.dtype]], device: torch.device):
+    """One all-gather for a bucket of row-sharded tensors: each rank packs its row blocks (cast
+    on the way) into one flat buffer, each padded to the block size, and every full tensor is
+    cut out of the gathered buffers, rank by rank."""
+    mesh, dtype = run[0][1].device_mesh, run[0][2]
+    world = mesh.size()
+    blocks = [(-(-t.shape[0] // world)) * math.prod(t.shape[1:]) for _, t, _ in run]
+    flat = torch.empty(sum(blocks), dtype=dtype, device=device)
+    offset = 0
+    for (_, tensor, _), block in zip(run, blocks, strict=True):
+        local = tensor.to_local().reshape(-1)  # at most one block: the last ranks' are short
+        flat[offset : offset + local.numel()].copy_(local)  # casts; from the host if offloaded
+        offset += block
+    gathered = torch.empty(world * flat.numel(), dtype=dtype, device=device)
+    dist.all_gather_into_tensor(gathered, flat, group=mesh.get_group())
+    gathered = gathered.view(world, flat.numel())
+    offset = 0
+    for (name, tensor, _), block in zip(run, blocks, strict=True):
+        rows = gathered[:, offset : offset + block].reshape(-1, *tensor.shape[1:])
+        yield name, rows[: tensor.shape[0]]
+        offset += block
 
 
 def _drain(tensors) -> None:
@@ -63,13 +132,14 @@ class WeightsOut:
         as_is = self._unconverted(state)
         early = gather_in or dtype
 
-        def full(name: str, tensor: Tensor) -> tuple[str, Tensor]:
+        def item(name: str, tensor: Tensor) -> tuple[str, Tensor, torch.dtype | None]:
             name = _hf_name(name)
             # An adapted layer's W, A and B are merged in fp32 first (molt_train.lora).
             merged = adapted_layer(name, self.lora_scales) is not None
-            return name, self._full(tensor, None if merged else early)
+            return name, tensor, None if merged else early
 
-        gathered = (full(name, tensor) for name, tensor in state.items())
+        items = (item(name, tensor) for name, tensor in state.items())
+        gathered = gather_full(items, self.device, self._full)
         if self.lora_scales:  # the engines serve W + s B A under W's name (molt_train.lora)
             gathered = merge_adapters(gathered, self.lora_scales)
         for name, tensor in gathered:
