@@ -1,7 +1,7 @@
 """Where a sharded refit gather's time goes (issue 20, item 2): `ModelWorker.named_full_tensors`
-(one `full_tensor()` collective per tensor, shards cast first) against a bare loop of
-`full_tensor()` calls and against one all-gather of the same bytes (the floor a gather bucketed
-into few collectives could reach). Side by side in one run, on the same FSDP2-sharded model:
+(since 37d6e01 bucketed, one all-gather per 512 MB; before, one `full_tensor()` per tensor)
+against a bare loop of `full_tensor()` calls and against one all-gather of the same bytes (the
+floor of any gather). Side by side in one run, on the same FSDP2-sharded model:
 
     python benchmarks/actor_gpu_smoke.py --write-model /tmp/q3r      # a random 1.7B shape
     PYTHONPATH=packages/molt-algos/src:packages/molt-train/src \\
