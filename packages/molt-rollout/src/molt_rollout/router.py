@@ -53,7 +53,9 @@ class Router:
             "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
         ]  # fmt: skip
         if self.network.token:  # vllm-router 0.1.17 takes it on the command line only
-            command += ["--api-key", self.network.token]
+            # One argument: a token starting with "-" (token_urlsafe: 1 in 64) would otherwise
+            # read as an option and stop the router.
+            command.append(f"--api-key={self.network.token}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             # Tied to the driver's process: a killed driver leaves no router.
