@@ -54,12 +54,16 @@ def config(tiny_model: str, num_workers: int, **overrides) -> ActorConfig:
     return ActorConfig(**{**fields, **overrides})
 
 
-def make_samples(vocab: int, advantage: float = 1.0) -> list[Sample]:
-    """Prompt + response rows of several lengths and two temperatures; more microbatches than
-    one rank needs, and an odd count, so one rank also gets an empty padding microbatch."""
-    generator = torch.Generator().manual_seed(1)
+SHAPES = ((4, 6), (3, 9), (5, 2), (2, 12), (6, 5), (3, 3))  # (prompt, response) lengths
+
+
+def make_samples(vocab: int, advantage: float = 1.0, shapes=SHAPES, seed: int = 1) -> list[Sample]:
+    """Prompt + response rows of several lengths and two temperatures; by default more
+    microbatches than one rank needs, and an odd count, so one rank also gets an empty
+    padding microbatch."""
+    generator = torch.Generator().manual_seed(seed)
     samples = []
-    for i, (prompt, response) in enumerate([(4, 6), (3, 9), (5, 2), (2, 12), (6, 5), (3, 3)]):
+    for i, (prompt, response) in enumerate(shapes):
         n = prompt + response
         ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
         mask = [0] * prompt + [1] * response

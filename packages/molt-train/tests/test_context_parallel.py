@@ -2,9 +2,11 @@
 the tiny Qwen3 model) give the log-probs, the metrics and the update of one rank that holds
 whole rows; and the window layout each rank attends with."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from test_actor import KL_AND_ENTROPY, config
+from test_actor import KL_AND_ENTROPY, config, make_samples
 
 from molt_train.actor_config import FSDPConfig
 from molt_train.context_parallel import ContextShard, window
@@ -88,7 +90,7 @@ def test_window_attention_varlen_matches_its_reference(monkeypatch):
     """On CUDA in bf16 a window's attention is one varlen FlashAttention call whose causal
     mask is aligned bottom-right: against the fp32 piece-by-piece reference, forward and
     backward, on a window that cuts its first document."""
-    from molt_train import context_parallel
+    from molt_train import attention
     from molt_train.context_parallel import local_attention
 
     lengths = [300, 1, 700, 23]
@@ -96,9 +98,9 @@ def test_window_attention_varlen_matches_its_reference(monkeypatch):
     layout = layouts[1]  # starts inside the 700-token document
     width = layout.key_end // 2
     calls = []
-    varlen = context_parallel.varlen_attention
+    varlen = attention.varlen_attention
     monkeypatch.setattr(
-        context_parallel, "varlen_attention", lambda *args: calls.append(1) or varlen(*args)
+        attention, "varlen_attention", lambda *args: calls.append(1) or varlen(*args)
     )
 
     def run(autocast: bool):
@@ -118,23 +120,13 @@ def test_window_attention_varlen_matches_its_reference(monkeypatch):
 
 
 def long_samples(vocab: int) -> list[Sample]:
-    """Documents longer than a window (so attention crosses ranks) and short ones, over two
-    temperatures; old log-probs shifted so that PPO's ratio and clipping are exercised."""
-    generator = torch.Generator().manual_seed(2)
-    samples = []
-    for i, (prompt, response) in enumerate([(7, 15), (3, 4), (12, 9), (2, 2), (5, 20)]):
-        n = prompt + response
-        ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
-        mask = [0] * prompt + [1] * response
-        samples.append(
-            Sample(
-                token_ids=ids,
-                loss_mask=mask,
-                temperature=0.7 if i % 2 else 1.0,
-                advantages=[(1.0 if i % 3 else -0.5) * m for m in mask],
-            )
-        )
-    return samples
+    """Documents longer than a window (so attention crosses ranks) and short ones, with
+    advantages of both signs so that PPO's clipping acts on both sides."""
+    samples = make_samples(vocab, shapes=[(7, 15), (3, 4), (12, 9), (2, 2), (5, 20)], seed=2)
+    return [
+        replace(s, advantages=[-0.5 * a for a in s.advantages]) if i % 3 == 0 else s
+        for i, s in enumerate(samples)
+    ]
 
 
 def test_two_context_ranks_step_like_one_rank(ray_cluster, tiny_model):

@@ -74,22 +74,39 @@ def document_attention(
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or cu.numel() <= 2 or query.shape[0] != 1:
         return sdpa(query, key, value), None
-    if query.is_cuda and not dropout:
-        # Under autocast q/k leave the fp32 norms and RoPE in fp32; SDPA is on autocast's list
-        # and casts them itself, FlashAttention takes 16-bit inputs only.
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if autocast else query.dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
-            longest = kwargs["max_length_q"]
-            out = varlen_attention(q, k, v, (cu, cu), (longest, longest), scaling)
-            return out[None], None
+    longest = kwargs["max_length_q"]
+    out = flash_attention(query, key, value, (cu, cu), (longest, longest), scaling, dropout)
+    if out is not None:
+        return out, None
     bounds = cu.tolist()  # a host copy on CPU; one device sync on the rare GPU fallback
     pieces = [
         sdpa(*(x[:, :, start:end] for x in (query, key, value)))
         for start, end in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     return torch.cat(pieces, dim=1), None
+
+
+def flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu: tuple[Tensor, Tensor],
+    longest: tuple[int, int],
+    scale: float | None,
+    dropout: float,
+) -> Tensor | None:
+    """`varlen_attention` on transformers' layout (q/k/v [1, H, T, D] in, [1, T, H, D] out),
+    or None where FlashAttention does not apply: off CUDA, with dropout, or in 32 bits."""
+    if not query.is_cuda or dropout:
+        return None
+    # Under autocast q/k leave the fp32 norms and RoPE in fp32; SDPA is on autocast's list
+    # and casts them itself, FlashAttention takes 16-bit inputs only.
+    autocast = torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda") if autocast else query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
+    return varlen_attention(q, k, v, cu, longest, scale)[None]
 
 
 @cache

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from molt_train.attention import varlen_attention
+from molt_train.attention import flash_attention
 from molt_train.packing import PackedBatch, _to
 
 CONTEXT_ATTENTION = "molt_context"
@@ -194,14 +194,10 @@ def local_attention(
     piece by piece with an explicit mask, the reference the GPU path is tested against."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.is_cuda and not dropout:
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if autocast else query.dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H, D]
-            cu = (layout.cu_q, layout.cu_k)
-            out = varlen_attention(q, k, v, cu, (layout.max_q, layout.max_k), scaling)
-            return out[None]
+    cu, longest = (layout.cu_q, layout.cu_k), (layout.max_q, layout.max_k)
+    out = flash_attention(query, key, value, cu, longest, scaling, dropout)
+    if out is not None:
+        return out
     outputs = []
     for qs, qe, ks, ke in layout.pieces:
         q_len, k_len = qe - qs, ke - ks
