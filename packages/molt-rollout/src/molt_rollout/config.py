@@ -74,7 +74,7 @@ class VLLMConfig:
     # engines of --vllm.engines_per_gpu); None: 0.85 on engines' own GPUs, 0.45 on GPUs shared
     # with the trainer (--train.colocate).
     gpu_memory_utilization: float | None = None
-    enable_sleep_mode: bool = False  # colocated: engine memory freed during the optimizer step
+    enable_sleep_mode: bool = False  # colocated: engine memory freed during the training step
     dtype: str = "auto"  # engine weights' dtype (vLLM's --dtype); auto: the checkpoint's
     enable_return_routed_experts: bool = False  # for MoE routing replay
     extra_args: list[str] = field(default_factory=list)  # any other server flag, verbatim

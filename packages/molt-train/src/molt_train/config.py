@@ -380,7 +380,7 @@ def validate_colocation(cfg: RunConfig) -> None:
         return
     if vllm.enable_sleep_mode and cfg.train.partial_rollout_enable:
         raise ValueError(
-            "--vllm.enable_sleep_mode drops the engine's KV cache for the optimizer step, so "
+            "--vllm.enable_sleep_mode drops the engine's KV cache for the training step, so "
             "requests kept across it (--train.partial_rollout_enable True) would lose theirs: "
             "add --train.partial_rollout_enable False (in-flight requests finish first)"
         )
