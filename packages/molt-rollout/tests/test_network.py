@@ -1,5 +1,6 @@
 """Addresses and tokens of a run (molt_rollout.network), the engines' token middleware, the
-start-up reachability check: isolated logic, no Ray, no vLLM."""
+start-up reachability check: isolated logic, no Ray, no vLLM (one test starts the real
+vllm-router, which is molt-rollout's own dependency)."""
 
 import asyncio
 import socket
@@ -139,3 +140,35 @@ def test_refit_and_router_name_the_engine_they_cannot_reach(closed_port_url, tmp
         Refitter([closed_port_url], 1, RefitConfig(), on_gpu=False)
     with pytest.raises(UnreachableError, match="the router .* dialling engine 0: this node"):
         Router(RouterConfig(), [closed_port_url], str(tmp_path)).start()
+
+
+def test_the_router_takes_a_token_that_starts_with_a_dash(tmp_path):
+    """A random run token starts with "-" one time in 64 (token_urlsafe); vllm-router's
+    argument parser must still read it as --api-key's value, not as an option. The real
+    router, in front of a stand-in engine that answers its health checks."""
+    import http.server
+    import threading
+
+    from molt_rollout.config import RouterConfig
+    from molt_rollout.router import Router
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    engine = http.server.ThreadingHTTPServer((LOOPBACK, 0), Healthy)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    net = Network(multi_node=True, token="-dash-first-token")
+    router = Router(RouterConfig(), [f"http://{LOOPBACK}:{engine.server_port}"], str(tmp_path),
+                    network=net)  # fmt: skip
+    try:
+        assert router.start().startswith(f"http://{LOOPBACK}:")
+        assert router.process.poll() is None
+    finally:
+        router.stop()
+        engine.shutdown()
