@@ -406,3 +406,29 @@ def test_aggregation_defaults_to_the_losss_own():
     assert resolved(parse([])).algo.aggregation == "token-mean"
     explicit = ["--algo.policy_loss", "gspo", "--algo.aggregation", "token-mean"]
     assert resolved(parse(explicit)).algo.aggregation == "token-mean"
+
+
+def test_a_worker_out_of_gpu_memory_is_named_with_the_flags_that_fit(
+    ray_cluster, monkeypatch, capsys
+):
+    """A worker's CUDA out-of-memory error reaches the driver through Ray (which keeps its
+    type); the program says so in two lines, with torch's numbers and the flags to change,
+    and exits 1. Raised by hand in a real Ray task: a CPU cannot run out of CUDA memory."""
+    import ray
+    import torch
+
+    from molt_train import cli, loop
+
+    @ray.remote
+    def step():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 594.00 MiB.")
+
+    monkeypatch.setattr(loop, "train", lambda cfg: ray.get(step.remote()))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["quickstart"])
+    assert exit_.value.code == 1
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == ("molt-train: a model ran out of GPU memory: "
+                       "CUDA out of memory. Tried to allocate 594.00 MiB.")  # fmt: skip
+    assert said[1:] == [cli.OUT_OF_MEMORY]
+    assert "--actor.gradient_checkpointing" in said[1] and "--vllm.enable_sleep_mode" in said[1]

@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse(argv[1:], default=parse(QUICKSTART))
     else:
         cfg = parse(argv)
+    import torch
+
     from molt_rollout.engine import EngineError
     from molt_train.loop import train
     from molt_train.signals import Stopped
@@ -102,6 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     except EngineError as error:  # its message names the engine and holds its log tail
         print(f"molt-train: engine failure: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    except torch.OutOfMemoryError as error:  # a worker's, raised through Ray as its own type
+        # The last line of the remote traceback Ray carries: torch's sizes.
+        torch_says = str(error).strip().splitlines()[-1].removeprefix("torch.OutOfMemoryError: ")
+        print(f"molt-train: a model ran out of GPU memory: {torch_says}\n{OUT_OF_MEMORY}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(1) from None
+
+
+OUT_OF_MEMORY = (
+    "To fit: lower --actor.max_tokens_per_microbatch, or turn on --actor.gradient_checkpointing "
+    "or --fsdp.offload optimizer; beside a colocated engine, also --vllm.enable_sleep_mode or a "
+    "lower --vllm.gpu_memory_utilization (docs/rollout.md, the memory arithmetic)."
+)
 
 
 def _exit(message: str) -> typing.NoReturn:
