@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt_rollout.config import RefitConfig
-from molt_rollout.refit import EngineSet, NcclTransport, Refitter
+from molt_rollout.refit import EngineSet, GlooTransport, NcclTransport, RefitError, Refitter
 
 
 class Engine:
@@ -95,3 +95,16 @@ def test_the_nccl_rendezvous_listens_on_the_port_it_names(monkeypatch):
     assert joined and transport.group.rank == 0 and transport.group.world_size == 2
     transport.group.broadcast_obj("weights ahead", src=0)
     assert joined[0].broadcast_obj(None, src=0) == "weights ahead"
+
+
+def test_a_failed_rendezvous_on_the_trainers_side_is_an_error():
+    """The engines' joins answer, but nobody joins the trainer's gloo store (the real
+    transport, rank 0 of three): its timeout is raised as a RefitError, not left in a thread
+    while the refitter carries on without a group."""
+    refitter = Refitter.__new__(Refitter)  # its routes and transport only: no engines dialled
+    EngineSet.__init__(refitter, [Engine([], []), Engine([], [])], RefitConfig(timeout_s=30))
+    refitter.workers_per_engine = 1
+    refitter.transport = GlooTransport(3, 1.0, "127.0.0.1")
+    with pytest.raises(RefitError, match="trainer's side of the weight-transfer rendezvous"):
+        refitter.init_transfer()
+    refitter.close()

@@ -253,7 +253,15 @@ class Refitter(EngineSet):
                              {"init_info": self.transport.worker_init_info(1 + i * self.workers_per_engine)})
             for i, engine in enumerate(self.engines)
         ]  # fmt: skip
-        connector = threading.Thread(target=self.transport.connect, daemon=True)
+        failed: list[Exception] = []
+
+        def connect() -> None:  # a daemon thread, not the pool: a hung one never blocks exit
+            try:
+                self.transport.connect()
+            except Exception as error:  # raised below, in the caller's thread
+                failed.append(error)
+
+        connector = threading.Thread(target=connect, daemon=True)
         connector.start()
         for i, future in enumerate(futures):
             try:
@@ -263,6 +271,9 @@ class Refitter(EngineSet):
         connector.join(self.cfg.timeout_s)
         if connector.is_alive():
             raise RefitError(f"weight-transfer rendezvous timed out after {self.cfg.timeout_s} s")
+        if failed:  # every engine joined, yet the trainer's side failed
+            raise RefitError(f"the trainer's side of the weight-transfer rendezvous failed: "
+                             f"{failed[0]}") from failed[0]  # fmt: skip
 
     def _not_joined(self, i: int, error: Exception) -> str:
         """Why engine i did not join the rendezvous, naming both ends (an engine's node that
