@@ -397,3 +397,36 @@ def test_agent_raising_after_an_engine_failure_is_an_engine_error(make_runner):
     assert dropped.reason == "engine_error" and "InternalServerError" in dropped.detail
     assert isinstance(run(runner, rollout_id="r1"), Rollout)  # the next rollout is unaffected
     assert not runner._engine_failed  # nothing kept per finished rollout
+
+
+def test_context_clients_share_one_connection_pool_per_event_loop(make_runner):
+    """`ctx.openai_client()` / `ctx.anthropic_client()`: stock SDK clients pointed at the
+    session, all on one HTTP client per SDK and event loop, which an agent's `async with`
+    does not close: eight concurrent rollouts that each close theirs all finish."""
+    pools = []
+
+    class Both(ChatAgent):
+        async def run(self, ctx):
+            async with ctx.openai_client(max_retries=0) as client:
+                assert isinstance(client, openai.AsyncOpenAI) and client.max_retries == 0
+                await asyncio.sleep(0.05)  # the others close theirs meanwhile
+                reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
+            async with ctx.anthropic_client() as other:
+                assert str(other.base_url).rstrip("/") == ctx.anthropic_base_url.rstrip("/")
+                await other.messages.create(model=ctx.model, **ctx.anthropic_args())
+            pools.append((client._client, other._client))
+            return Result(float("3" in (reply.choices[0].message.content or "")))
+
+    runner, gen = make_runner(Both, ["The answer is 3."])
+
+    async def group():
+        return await asyncio.gather(
+            *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(8))
+        )
+
+    assert [r.reward for r in asyncio.run(group())] == [1.0] * 8
+    assert len(gen.calls) == 16 and len(set(pools)) == 1
+    ((openai_pool, anthropic_pool),) = set(pools)
+    assert openai_pool is not anthropic_pool and not openai_pool.is_closed
+    assert [r.reward for r in asyncio.run(group())] == [1.0] * 8  # a new loop, new pools
+    assert len(set(pools)) == 2

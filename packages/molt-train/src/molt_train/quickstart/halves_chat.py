@@ -4,21 +4,19 @@ The same task and reward as `halves_env.py`; the model is reached through `ctx.b
 runner's capture session, so every generated token is recorded exactly as in the Env form.
 """
 
-import openai
-
 from molt_rollout import ChatAgent, ChatContext, ChatRunner, Result
 from molt_train.quickstart.reward import reward
 
 
 class HalfAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
-            response = await client.chat.completions.create(
-                model=ctx.model,
-                messages=ctx.messages,
-                max_tokens=ctx.max_tokens,
-                temperature=ctx.temperature,
-            )
+        client = ctx.openai_client()  # the stock AsyncOpenAI at ctx.base_url, built cheaply
+        response = await client.chat.completions.create(
+            model=ctx.model,
+            messages=ctx.messages,
+            max_tokens=ctx.max_tokens,
+            temperature=ctx.temperature,
+        )
         value = reward(response.choices[0].message.content or "", ctx.label)
         return Result(reward=value, score=value)
 
