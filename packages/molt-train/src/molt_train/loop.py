@@ -232,6 +232,9 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                                                  cfg.algo))  # fmt: skip
                 t_trained = time.perf_counter()
                 if cfg.vllm.enable_sleep_mode:
+                    # The engines wake into the memory the models' allocators still cache.
+                    for group in filter(None, (policy, reference, critic)):
+                        group.release_memory()
                     set_sleeping(
                         rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s, network.token
                     )

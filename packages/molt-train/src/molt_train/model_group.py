@@ -206,6 +206,10 @@ class ModelGroup:
     def export_hf(self, path: str) -> None:
         self._all(lambda r, w: w.export_hf.remote(path))
 
+    def release_memory(self) -> None:
+        """Every worker's cached GPU blocks back to the GPU (ModelWorker.release_memory)."""
+        self._all(lambda r, w: w.release_memory.remote())
+
     def shutdown(self) -> None:
         import ray
 

@@ -547,6 +547,12 @@ class ModelWorker(WeightsOut):
         np.random.seed(seed)
         torch.manual_seed(seed)  # also seeds every CUDA device
 
+    def release_memory(self) -> None:
+        """Hand the blocks PyTorch's caching allocator keeps back to the GPU, so that an engine
+        woken on it (--vllm.enable_sleep_mode) can map its memory again."""
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
     def shutdown(self) -> None:
         if self.refitter is not None:
             self.refitter.close()
