@@ -232,7 +232,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                                                                  cfg.algo))  # fmt: skip
                 t_trained = time.perf_counter()
                 if cfg.vllm.enable_sleep_mode:
-                    # The engines wake into the memory the models' allocators still cache.
+                    # The models' allocators still hold the step's peak: the waking engines need it.
                     for group in filter(None, (policy, reference, critic)):
                         group.release_memory()
                     set_sleeping(
