@@ -1,7 +1,6 @@
-"""ChatAgent on the stock Anthropic SDK: a Messages call with a tool offered, then a streaming
-call whose history holds that reply and a tool result."""
-
-from anthropic import AsyncAnthropic
+"""ChatAgent on the stock Anthropic SDK (from `ctx.anthropic_client()`, on the runner's shared
+connections): a Messages call with a tool offered, then a streaming call whose history holds
+that reply and a tool result."""
 
 from molt_rollout import ChatAgent, ChatContext, ChatRunner, Result
 
@@ -12,8 +11,7 @@ ADD = {"name": "add", "description": "Add two integers.",
 
 class MessagesAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key,
-                                max_retries=0)  # fmt: skip
+        client = ctx.anthropic_client(max_retries=0)
         args = ctx.anthropic_args()
         args["max_tokens"] = 8
         first = await client.messages.create(model=ctx.model, tools=[ADD], **args)
