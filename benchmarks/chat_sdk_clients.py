@@ -49,9 +49,10 @@ class AgentRunner(ChatRunner):
 
 
 def client_cost_ms(n: int = 50) -> dict[str, float]:
+    url = "http://127.0.0.1:1/s/x"  # never dialled: only the clients are built
     ctx = ChatContext(messages=[], tools=None, label=None, row={}, model="m", api_key="k",
-                      base_url="http://127.0.0.1:1/s/x", anthropic_base_url="http://127.0.0.1:1/s/x",
-                      temperature=1.0, top_p=1.0, max_tokens=None, max_len=64)  # fmt: skip
+                      base_url=url, anthropic_base_url=url, temperature=1.0, top_p=1.0,
+                      max_tokens=None, max_len=64)  # fmt: skip
 
     async def per_client(build) -> float:
         build()  # warm: imports, the shared client

@@ -16,7 +16,8 @@ run fails unless there are none. Latency, per model call:
 No refit runs between the batches (no trainer here). `--clients`: the agents' SDK clients come
 from `ctx.openai_client()` (`shared`, the default), are built per rollout (`per-rollout`, an
 HTTP client and its CA certificates each), or `both`: per-rollout, then shared, `--rounds`
-times on the same engine, with the ratios of the medians. `tests_integration/test_load.py` runs it small.
+times on the same engine, with the ratios of the medians. `tests_integration/test_load.py`
+runs it small.
 """
 
 from __future__ import annotations

@@ -103,8 +103,10 @@ class ChatContext:
         """A stock `anthropic.AsyncAnthropic` pointed at this session, as `openai_client`."""
         import anthropic
 
-        return anthropic.AsyncAnthropic(base_url=self.anthropic_base_url, api_key=self.api_key,
-                                        http_client=shared_http_client(anthropic), **kwargs)  # fmt: skip
+        return anthropic.AsyncAnthropic(
+            base_url=self.anthropic_base_url, api_key=self.api_key,
+            http_client=shared_http_client(anthropic), **kwargs,
+        )  # fmt: skip
 
     def anthropic_args(self) -> dict[str, Any]:
         """`system`, `messages`, `tools` and `max_tokens` for `client.messages.create(...)`:

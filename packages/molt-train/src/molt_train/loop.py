@@ -135,6 +135,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         critic = ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu,
                             colocation=share)  # fmt: skip
         actors["critic"] = critic
+    models = [group for group in (policy, reference, critic) if group is not None]
     kl_ctl = kl_controller(cfg.algo.advantage.kl_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
 
     # ---- resume ----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
                 t_trained = time.perf_counter()
                 if cfg.vllm.enable_sleep_mode:
                     # The models' allocators still hold the step's peak: the waking engines need it.
-                    for group in filter(None, (policy, reference, critic)):
+                    for group in models:
                         group.release_memory()
                     set_sleeping(
                         rollout.engine_urls, False, pause_mode, cfg.refit.timeout_s, network.token
@@ -297,9 +298,8 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         pool.close()
         paths = logger.close()
         runners.shutdown()
-        for group in (policy, reference, critic):
-            if group is not None:
-                group.shutdown()
+        for group in models:
+            group.shutdown()
         rollout.shutdown()
         if bundles is not None:
             ray.util.remove_placement_group(bundles)
