@@ -319,11 +319,38 @@ def test_any_shape_matches_naive(tokens, vocab, chunk_size, temperature, seed):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
 
 
+def test_the_block_functions_compile_whole_and_match_eager():
+    """On CUDA the two per-block functions run compiled by Inductor (logprobs._fused). Here
+    they compile for CPU the same way (one graph each: a graph break fails) on bf16 blocks with
+    ragged shapes and give eager's values; test_cuda_matches_naive checks the CUDA build."""
+    generator = torch.Generator().manual_seed(3)
+    stats = logprobs_module._block_stats.__wrapped__
+    grad = logprobs_module._logit_grad.__wrapped__
+    compiled_stats = torch.compile(stats, dynamic=True, fullgraph=True)
+    compiled_grad = torch.compile(grad, dynamic=True, fullgraph=True)
+    for rows, vocab in [(7, 37), (16, 50)]:
+        logits = (torch.randn(rows, vocab, generator=generator) * 3).bfloat16()
+        targets = torch.randint(0, vocab, (rows,), generator=generator)
+        want = stats(logits, targets, 0.7, True)
+        got = compiled_stats(logits, targets, 0.7, True)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        lse, logp, entropy = want
+        g_lp, g_ent = torch.randn(2, rows, generator=generator)
+        for k in [
+            logprobs_module._coefficients(g_lp, g_ent, logp, entropy, 0.7),
+            logprobs_module._coefficients(g_lp, None, logp, entropy, 0.7),
+        ]:
+            # Targets shifted as for a vocabulary slice: some fall outside the block.
+            args = (logits, lse, k, targets - vocab // 3, 0.7)
+            torch.testing.assert_close(compiled_grad(*args).float(), grad(*args).float())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_cuda_matches_naive(temperature):
-    """The CUDA path upcasts, scales and shifts in one fused op; same answers as on CPU."""
+    """The CUDA path runs the block functions compiled; same answers as on CPU."""
     hidden, weight, targets = make_inputs(tokens=50, vocab=1000, width=64)
     a, b = upstream(len(targets))
 
@@ -346,3 +373,28 @@ def test_cuda_matches_naive(temperature):
     want_lp, want_ent = naive(logits.float().cpu(), targets, temperature)
     torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy.cpu(), want_ent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_hidden_path_matches_naive():
+    """The training path on GPU: bf16 hidden states and head, compiled blocks, a ragged last
+    block and an odd vocabulary; against the naive computation on the same bf16 logits."""
+    hidden, weight, targets = make_inputs(tokens=700, vocab=5003, width=128, dtype=torch.bfloat16)
+    hidden, weight, targets = hidden.cuda(), weight.cuda(), targets.cuda()
+    a, b = (x.float().cuda() for x in upstream(len(targets)))
+
+    def chunked(h, w):
+        return token_logprobs_and_entropy(h, w, targets, 0.9, chunk_size=256)
+
+    got_lp, got_ent = chunked(hidden, weight)
+    want_lp, want_ent = naive((hidden @ weight.T).float(), targets, 0.9)
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_ent, want_ent, rtol=1e-4, atol=1e-4)
+    got = grads_of(chunked, [hidden, weight], a, b)
+    want = grads_of(
+        lambda h, w: naive(h @ w.T, targets, 0.9), [hidden.double(), weight.double()], a, b
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert (g.double() - w).abs().max() <= 0.05 * w.abs().max()

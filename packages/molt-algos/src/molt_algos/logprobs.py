@@ -1,8 +1,10 @@
 """Per-token log-probabilities and entropy of the temperature-scaled distribution (the one vLLM
 samples from) without full-vocabulary float32 tensors: the forward walks tokens in blocks and
-keeps per-token values only; the backward recomputes each block's logits. The formulas and the
-gradient derivation are in docs/algorithms.md ("Log-probabilities and entropy, chunked")."""
+keeps per-token values only; the backward recomputes each block's logits. On CUDA each block's
+elementwise work runs compiled, so no float32 block is ever written to memory. The formulas and
+the gradient derivation are in docs/algorithms.md ("Log-probabilities and entropy, chunked")."""
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -125,47 +127,46 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _log_softmax(logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(log softmax(logits / τ), lse) of a block [N, V] of any dtype, in float32 (float64)."""
-    dtype = _compute_dtype(logits)
-    if temperature == 1.0:
-        # With dtype= the CUDA kernel reads bf16/fp16 and upcasts as it goes: no copy.
-        logp = torch.log_softmax(logits, dim=-1, dtype=dtype)
-    else:
-        logp = torch.log_softmax(logits.to(dtype, copy=True).div_(temperature), dim=-1)
-    # lse is read back at each row's maximum, where log p lies in [−log V, 0], so the
-    # subtraction loses nothing; log_softmax is one fused kernel where logsumexp is several.
-    top, argmax = logits.max(dim=-1)
-    lse = top.to(dtype) / temperature - logp.gather(1, argmax[:, None]).squeeze(1)
-    return logp, lse
+def _fused(fn):
+    """`fn` compiled by Inductor for CUDA tensors, eager elsewhere. Compiled, each elementwise
+    pass over a block reads the low-precision logits once and keeps its float32 values in
+    registers; eager, every step writes a float32 block to memory (docs/benchmarks.md, "The
+    log-prob blocks compiled"). CPU runs eager, and nothing is compiled
+    (or imported: torch.compile's first call costs seconds) until a CUDA tensor comes."""
+
+    @functools.cache
+    def compiled():
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)  # the eager function stays reachable as call.__wrapped__
+    def call(logits: Tensor, *args):
+        return compiled()(logits, *args) if logits.is_cuda else fn(logits, *args)
+
+    return call
 
 
+@_fused
 def _block_stats(
     logits: Tensor, targets: Tensor, temperature: float, compute_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(lse, log p of the targets, entropy) for a block of raw logits [N, V]."""
-    logp, lse = _log_softmax(logits, temperature)
-    target_logp = logp.gather(1, targets[:, None]).squeeze(1)
-    entropy = -logp.exp().mul_(logp).sum(dim=-1) if compute_entropy else None
+    z = logits.to(_compute_dtype(logits)) / temperature  # a fresh block: in place from here
+    top = z.amax(dim=-1, keepdim=True)
+    shifted = z.sub_(top)  # <= 0: no overflow in exp, and the entropy's terms stay small
+    e = shifted.exp()
+    total = e.sum(dim=-1)
+    log_total = total.log()
+    lse = top.squeeze(-1) + log_total
+    target_logp = shifted.gather(1, targets[:, None]).squeeze(1) - log_total
+    # H = -sum p log p = log S - sum e d / S, with d = z - max and S = sum e.
+    entropy = log_total - e.mul_(shifted).sum(dim=-1) / total if compute_entropy else None
     return lse, target_logp, entropy
-
-
-def _log_probs(logits: Tensor, lse: Tensor, temperature: float) -> Tensor:
-    """log p = logits / τ − lse for a block, as fresh float32 (float64) scratch."""
-    if logits.device.type == "cuda":
-        # CUDA kernels cast their inputs on the fly: upcast, scale and shift in one pass.
-        return torch.add(-lse[:, None], logits, alpha=1.0 / temperature)
-    # On CPU a mixed-dtype add would first make a float32 copy of its own; make it ours instead.
-    z = logits.to(_compute_dtype(logits), copy=True)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z.sub_(lse[:, None])
 
 
 class _Coefficients(NamedTuple):
     """Per-row terms a, c of ∂L/∂logits = p (a log p + c) + g 1[v = y] (docs/algorithms.md),
     fixed for the whole backward; `a` is None without an entropy gradient. `at_target`, the
-    value at v = y in full precision, overwrites the target column after bf16 rounding."""
+    value at v = y computed in full precision from the saved log p, replaces the target column."""
 
     a: Tensor | None
     c: Tensor
@@ -189,24 +190,27 @@ def _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, temperature) -
     return _Coefficients(a, c, at_target)
 
 
-def _logit_grad(logp: Tensor, k: _Coefficients, target_cols: Tensor, out: Tensor) -> Tensor:
-    """∂L/∂logits for a block, written into `out` (input dtype); `logp` is scratch.
+@_fused
+def _logit_grad(
+    logits: Tensor, lse: Tensor, k: _Coefficients, target_cols: Tensor, temperature: float
+) -> Tensor:
+    """∂L/∂logits for a block of raw logits [N, W], in their dtype.
 
     `target_cols` is each row's target column within the block; rows whose target falls outside
-    the block (a vocabulary slice) carry any out-of-range value and keep their computed value.
+    it (a vocabulary slice) carry any out-of-range value and keep their computed value.
     """
+    logp = (logits.to(lse.dtype) / temperature).sub_(lse[:, None])  # fresh: in place from here
     if k.a is None:
-        torch.mul(logp.exp_(), k.c[:, None], out=out)
+        grad = logp.exp_().mul_(k.c[:, None])
     else:
         p = logp.exp()
-        torch.addcmul(k.c[:, None], logp, k.a[:, None], out=logp)  # a log p + c, in place
-        torch.mul(logp, p, out=out)
+        grad = logp.mul_(k.a[:, None]).add_(k.c[:, None]).mul_(p)
+    grad = grad.to(logits.dtype)
     # A where() rather than a boolean index keeps the step free of device-to-host syncs.
-    inside = (target_cols >= 0) & (target_cols < out.shape[1])
-    cols = target_cols.clamp(0, max(out.shape[1] - 1, 0))[:, None]
-    kept = out.gather(1, cols).squeeze(1)
-    out.scatter_(1, cols, torch.where(inside, k.at_target.to(out.dtype), kept)[:, None])
-    return out
+    inside = (target_cols >= 0) & (target_cols < grad.shape[1])
+    cols = target_cols.clamp(0, grad.shape[1] - 1)[:, None]
+    kept = grad.gather(1, cols).squeeze(1)
+    return grad.scatter_(1, cols, torch.where(inside, k.at_target.to(grad.dtype), kept)[:, None])
 
 
 def _slice_width(chunk_size: int, vocab: int, n_tokens: int) -> int:
@@ -214,11 +218,6 @@ def _slice_width(chunk_size: int, vocab: int, n_tokens: int) -> int:
     up to a multiple of SLICE_ALIGN (the whole vocabulary at most)."""
     width = math.ceil(chunk_size * vocab / max(n_tokens, 1))
     return min(vocab, -(-width // SLICE_ALIGN) * SLICE_ALIGN)
-
-
-def _buffer_for(logp: Tensor, dtype: torch.dtype) -> Tensor:
-    """Where a block's gradient goes: over log p itself when the dtypes agree."""
-    return logp if logp.dtype == dtype else torch.empty_like(logp, dtype=dtype)
 
 
 class _HiddenLogprobs(torch.autograd.Function):
@@ -264,13 +263,12 @@ class _HiddenLogprobs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, width):
             cols = slice(start, start + width)
-            logp = _log_probs(hidden @ weight[cols].T, lse, ctx.temperature)
-            grad = _logit_grad(logp, k, targets - start, _buffer_for(logp, hidden.dtype))
+            grad = _logit_grad(hidden @ weight[cols].T, lse, k, targets - start, ctx.temperature)
             if need_weight:
                 torch.mm(grad.T, hidden, out=grad_weight[cols])
             if need_hidden:
                 grad_hidden += grad @ weight[cols]
-            del logp, grad  # before the next slice's allocations, not after them
+            del grad  # before the next slice's allocations, not after them
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -309,6 +307,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            logp = _log_probs(logits[rows], lse[rows], ctx.temperature)
-            _logit_grad(logp, k.rows(rows), targets[rows], out=grad_logits[rows])
+            grad_logits[rows] = _logit_grad(
+                logits[rows], lse[rows], k.rows(rows), targets[rows], ctx.temperature
+            )
         return grad_logits, None, None, None, None
