@@ -12,9 +12,7 @@ the gather section compares with a bare loop of `full_tensor()` calls):
     PYTHONPATH=packages/molt-algos/src:packages/molt-train/src:benchmarks:/tmp/site \\
       torchrun --nproc-per-node 1 benchmarks/actor_vs_automodel.py --model /tmp/q3
 
-(/tmp/site: AutoModel 0.7.0 and its wheels, from ../shared/gpu's `train` set.) Both models
-with their optimizer states do not fit one 80 GB H100; `--park` keeps the AdamW moments of the
-model not being timed in host memory between calls. A `--cpu` run on
+(/tmp/site: AutoModel 0.7.0 and its wheels, from ../shared/gpu's `train` set.) A `--cpu` run on
 a tiny model (`--write-model DIR --cpu`) checks the script and the attention levers' CPU
 reference (SDPA per document) without a GPU.
 
@@ -175,8 +173,6 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         for name, fn in steps.items():  # alternating
             if name in failed:
                 continue
-            if args.park:
-                park(worker.optimizer if name.startswith("rl") else bares["bare"].opt, ctx)
             try:
                 s, peak, _ = timer(fn)
             except Exception as error:  # a lever that does not run here: say so, go on
@@ -217,19 +213,6 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         if r.get("setting") == str(seq_len) and r.get("entropy") == ent and "s" in r
     ))  # fmt: skip
     ctx.setdefault("last", {})[seq_len] = (mine, num_tokens, num_sequences, bare_mbs, samples)
-
-
-def park(active, ctx) -> None:
-    """--park: the AdamW moments of every optimizer but `active` wait in host memory, so that
-    both models fit one 80 GB GPU. Outside the timed call; the step itself is unchanged."""
-    optimizers = [ctx["worker"].optimizer, ctx["bares"]["bare"].opt]
-    for optimizer in optimizers:
-        device = ctx["worker"].device if optimizer is active else torch.device("cpu")
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and torch.is_tensor(value) and value.device != device:
-                    state[key] = value.to(device)
-    torch.cuda.empty_cache()
 
 
 def correctness(args, ctx) -> None:
@@ -286,11 +269,6 @@ def main() -> None:
     p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--cpu", action="store_true")
-    p.add_argument(
-        "--park",
-        action="store_true",
-        help="keep the optimizer state of the model not stepping on the host (80 GB)",
-    )
     args = p.parse_args()
     on_gpu = not args.cpu and torch.cuda.is_available()
     if args.write_model:
