@@ -328,14 +328,16 @@ class ModelWorker(WeightsOut):
     def forward_logprobs(self, microbatches: list[list[Sample]]) -> list[list[list[float]]]:
         """Log-probs (values for the critic) per microbatch per sample; 0.0 off the loss mask."""
         self.model.eval()
-        results = []
+        # Read back after the loop, as train_step does: a read per microbatch would leave the
+        # GPU idle while the host packs the next one.
+        kept = []
         for samples in microbatches:
             batch = self._batch(samples)
             with replaying(self.routers, batch.routing):
-                rows = self._token_stats(batch, with_entropy=False).logprobs
-            results.append(batch.to_lists(rows) if samples else [])
+                kept.append((batch, self._token_stats(batch, with_entropy=False).logprobs))
         self._reshard()
-        return results
+        return [batch.to_lists(rows) if samples else [] for samples, (batch, rows) in
+                zip(microbatches, kept, strict=True)]  # fmt: skip
 
     def _reshard(self) -> None:
         """Units kept gathered after a no-grad forward would go stale at the next optimizer
