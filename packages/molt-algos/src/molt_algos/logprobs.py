@@ -131,18 +131,26 @@ def _fused(fn):
     """`fn` compiled by Inductor for CUDA tensors, eager elsewhere. Compiled, each elementwise
     pass over a block reads the low-precision logits once and keeps its float32 values in
     registers; eager, every step writes a float32 block to memory (docs/benchmarks.md, "The
-    log-prob blocks compiled"). CPU runs eager, and nothing is compiled
-    (or imported: torch.compile's first call costs seconds) until a CUDA tensor comes."""
+    log-prob blocks compiled"). CPU runs eager, and nothing is compiled (or imported:
+    torch.compile's first call costs seconds) until a CUDA tensor comes."""
 
     @functools.cache
     def compiled():
-        return torch.compile(fn, dynamic=True, fullgraph=True)
+        # Not fullgraph: past dynamo's recompile limit a call runs eager instead of failing
+        # (tests compile with fullgraph=True, so a graph break still fails there).
+        return torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)  # the eager function stays reachable as call.__wrapped__
     def call(logits: Tensor, *args):
-        return compiled()(logits, *args) if logits.is_cuda else fn(logits, *args)
+        return compiled()(logits, *args) if _compiles(logits) else fn(logits, *args)
 
     return call
+
+
+def _compiles(logits: Tensor) -> bool:
+    # A block of one row or column runs eager: Inductor specialises sizes 0 and 1, so each
+    # such shape would be a graph of its own and count towards the recompile limit.
+    return logits.is_cuda and min(logits.shape) > 1
 
 
 @_fused
