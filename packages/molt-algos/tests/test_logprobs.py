@@ -346,6 +346,43 @@ def test_the_block_functions_compile_whole_and_match_eager():
             torch.testing.assert_close(compiled_grad(*args).float(), grad(*args).float())
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(0, 20),
+    vocab=st.integers(1, 50),
+    chunk_size=st.integers(1, 25),
+    temperature=st.floats(0.25, 4.0),
+    seed=st.integers(0, 2**16),
+    with_entropy=st.booleans(),
+)
+def test_compiled_dispatch_takes_any_shape(
+    tokens, vocab, chunk_size, temperature, seed, with_entropy
+):
+    """The CUDA dispatch with CPU blocks treated as CUDA (Inductor's CPU backend), over shapes
+    that each can be a graph of their own, with dynamo's recompile limit at 2 so that it is
+    reached: a call past it must run, not fail (with fullgraph=True a sweep of the whole test
+    file hit the default limit of 8), and every result matches the naive computation."""
+    hidden, weight, targets = make_inputs(tokens, vocab, 6, torch.float64, seed)
+    a, b = upstream(tokens, seed + 1)
+
+    def chunked(h, w):
+        lp, entropy = token_logprobs_and_entropy(
+            h, w, targets, temperature, chunk_size, with_entropy
+        )
+        return lp, entropy if with_entropy else torch.zeros_like(lp)
+
+    def reference(h, w):
+        lp, entropy = naive(h @ w.T, targets, temperature)
+        return lp, entropy if with_entropy else torch.zeros_like(lp)
+
+    with pytest.MonkeyPatch.context() as patch, torch._dynamo.config.patch(recompile_limit=2):
+        patch.setattr(logprobs_module, "_compiles", lambda logits: min(logits.shape) > 1)
+        results = [*chunked(hidden, weight), *grads_of(chunked, [hidden, weight], a, b)]
+    want = [*reference(hidden, weight), *grads_of(reference, [hidden, weight], a, b)]
+    for got, expected in zip(results, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
