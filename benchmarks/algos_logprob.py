@@ -7,7 +7,8 @@
 Both variants compute, for T tokens, log π(y_t) and the entropy of softmax(h_t Wᵀ / τ) with
 W [V, H], from bf16 hidden states and weight by default. `naive` materialises the [T, V] logits
 and upcasts them to float32 as one tensor, then log_softmax, gather and -Σ p log p over the whole
-batch; `chunked` is molt_algos.logprobs.token_logprobs_and_entropy, once per --chunk-size given.
+batch; `chunked` is molt_algos.logprobs.token_logprobs_and_entropy, once per --chunk-size given
+(on CUDA its per-block work runs compiled: the first call, which is not timed, compiles).
 Two modes: `forward` (no autograd, as for old-policy or reference log-probs) and
 `forward+backward` (the gradient of Σ (lp + H) reaches both the hidden states and the LM-head
 weight, as in a policy-loss step with an entropy term). --no-entropy leaves the entropy out of
