@@ -293,14 +293,18 @@ def test_aligned_slices_give_the_unaligned_results(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+# Shapes (ragged, one row or column, none), temperatures and seeds for the hypothesis sweeps.
+ANY_SHAPE = dict(
     tokens=st.integers(0, 20),
     vocab=st.integers(1, 50),
     chunk_size=st.integers(1, 25),
     temperature=st.floats(0.25, 4.0),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**ANY_SHAPE)
 def test_any_shape_matches_naive(tokens, vocab, chunk_size, temperature, seed):
     hidden, weight, targets = make_inputs(tokens, vocab, 6, torch.float64, seed)
     a, b = upstream(tokens, seed + 1)
@@ -347,14 +351,7 @@ def test_the_block_functions_compile_whole_and_match_eager():
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    tokens=st.integers(0, 20),
-    vocab=st.integers(1, 50),
-    chunk_size=st.integers(1, 25),
-    temperature=st.floats(0.25, 4.0),
-    seed=st.integers(0, 2**16),
-    with_entropy=st.booleans(),
-)
+@given(**ANY_SHAPE, with_entropy=st.booleans())
 def test_compiled_dispatch_takes_any_shape(
     tokens, vocab, chunk_size, temperature, seed, with_entropy
 ):
