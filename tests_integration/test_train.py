@@ -323,9 +323,9 @@ def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path, 
         new_servers = []
         while not new_servers:  # the restart has begun: the run's processes now include it
             assert process.poll() is None, output(run)[1][-3000:]
-            tree, ports = run_processes(process)
-            new_servers = [p for p in engine_servers(tree) if p not in servers]
+            new_servers = [p for p in engine_servers(process_tree(process)) if p not in servers]
             time.sleep(0.5)
+        tree, ports = run_processes(process)  # sockets read once, the new server among them
         process.wait(timeout=600)
         _, err = output(run)
         assert process.returncode == 0, err[-3000:]
