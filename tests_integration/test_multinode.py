@@ -1,14 +1,20 @@
-"""A run across two Ray nodes on one machine: a head node (the driver's, with the CPUs and the
+"""A run across two Ray nodes on one machine, started by recipes/ray_cluster.sh (the Slurm
+recipe's bootstrap) as two hosts would run it: a head node (the driver's, with the CPUs and the
 `trainer_node` resource) on 127.0.0.3 and a second node on 127.0.0.2 (no CPUs, the
-`engine_node` resource). The engine is pinned to the second node, the policy rank to the head
-(the runners always run on the driver's node); a short quickstart run completes, its refits
-cross nodes, the engine listens on its own node's address and refuses calls without the run's
-token, the router (which checks no token) listens on loopback only, and nothing is left
-afterwards. Only loopback-range addresses are used."""
+`engine_node` resource). A driver that joins sees both nodes at their own addresses. The engine
+is pinned to the second node, the policy rank to the head (the runners always run on the
+driver's node); a short quickstart run completes, its refits cross nodes, the engine listens on
+its own node's address and refuses calls without the run's token, the router (which checks no
+token) listens on loopback only, and ending the two node processes ends the nodes and leaves
+nothing. Only loopback-range addresses are used; not 127.0.0.1 for the head: Ray replaces that
+one address with the host's own (`resolve_ip_for_localhost`), which would put the head's
+servers outside the loopback range."""
 
 import contextlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +24,52 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_ray_bootstrap import HEAD, WORKER, cluster, env
+
+from molt_rollout.network import free_port
 
 pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "ray_cluster.sh"
+HEAD, WORKER = "127.0.0.3", "127.0.0.2"
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, RAY_AUTH_MODE="disabled",
+                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # fmt: skip
+
+
+def node(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), *args], env=env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+@contextlib.contextmanager
+def cluster(head: list[str], worker: list[str]):
+    """A head on HEAD and a worker node on WORKER, started by the recipe's script with
+    these `ray start` options; yields the address. After: both nodes (and so every actor and
+    engine on them) ended, Ray's address file naming them gone, and no GCS of theirs left."""
+    port = str(free_port())
+    nodes = [node("head", HEAD, port, *head)]
+    try:
+        nodes.append(node("worker", HEAD, port, WORKER, *worker))
+        ready = subprocess.run(["bash", str(SCRIPT), "wait", HEAD, port, "2", "180"],
+                               env=env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        yield f"{HEAD}:{port}"
+    finally:
+        for process in reversed(nodes):
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(nodes):
+            process.wait(60)
+        # `ray start` records the head's address for plain `ray.init()` calls on this machine
+        # (Molt's own pass address="local"); a file naming the ended test cluster must not stay.
+        address_file = Path("/tmp/ray/ray_current_cluster")
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"],
+                              capture_output=True, text=True)  # fmt: skip
+    assert not leftover.stdout.strip(), "the head's GCS outlived its node process"
 
 
 def bindable(host: str) -> bool:
@@ -75,6 +124,13 @@ def servers_on(port: int) -> list[psutil.Process]:
 def test_a_run_across_two_nodes(tmp_path):
     run = tmp_path / "multinode"
     with two_nodes() as address:
+        probe = (
+            "import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+            "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
+        )
+        out = subprocess.run([sys.executable, "-c", probe, address], env=env(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == sorted([HEAD, WORKER]), out.stderr
         cmd = [sys.executable, "-m", "molt_train.cli", "quickstart",
                "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
                "--eval.every_steps", "0", "--train.num_steps", "3",
