@@ -1,8 +1,9 @@
 """The RL loop. `train(cfg)` checks the config, the agent module and the data (a user error
 fails here, before Ray starts), then `_run` reads top to bottom:
 
-    start engines and router, building the policy actor meanwhile
-    build runners and the streaming pool (and the reference and critic when asked for)
+    start engines and router, building the runners and the policy actor (and the reference
+        and critic when asked for) meanwhile
+    build the streaming pool
     every step: take a batch from the pool -> make experience -> train -> refit -> log
                 evaluate and checkpoint on their cadence
 
@@ -103,11 +104,27 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     def build_policy() -> ModelGroup:
         return ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu, cfg.train.routing_replay, share)
 
+    def build_reference() -> ModelGroup | None:
+        if not cfg.ref.enable:
+            return None
+        ref_cfg = dataclasses.replace(cfg.actor, model_path=cfg.ref.model_path or model,
+                                      num_workers=cfg.ref.num_workers)  # fmt: skip
+        return ModelGroup(ref_cfg, cfg.fsdp, "reference", on_gpu, colocation=share)
+
+    def build_critic() -> ModelGroup | None:
+        if cfg.algo.advantage.estimator != "gae":
+            return None
+        return ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu,
+                          colocation=share)  # fmt: skip
+
     if bundles is None:
-        rollout, runners, policy = start_concurrently(start_rollout, create_runners, build_policy)
+        rollout, runners, policy, reference, critic = start_concurrently(
+            start_rollout, create_runners, build_policy, build_reference, build_critic
+        )
     else:  # one after the other: vLLM sizes its KV cache from the GPU memory it finds free
         runners = create_runners()
         rollout, policy = start_rollout(), build_policy()
+        reference, critic = build_reference(), build_critic()
 
     # ---- generation: agent runners, the streaming pool -------------------------------------
     runners.connect(rollout.router.url)
@@ -122,19 +139,10 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
         group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
     )  # fmt: skip
 
-    # ---- training: the policy's refit link to the engines, reference and critic -----------
+    # ---- training: the policy's refit link to the engines -----------------------------------
     policy.init_refit(rollout.engine_urls, rollout.workers_per_engine, cfg.refit, bool(bundles),
                       adapters, adapter_dir, network)  # fmt: skip
-    actors = {"policy": policy}
-    reference = critic = None
-    if cfg.ref.enable:
-        ref_cfg = dataclasses.replace(cfg.actor, model_path=cfg.ref.model_path or model,
-                                      num_workers=cfg.ref.num_workers)  # fmt: skip
-        reference = ModelGroup(ref_cfg, cfg.fsdp, "reference", on_gpu, colocation=share)
-    if cfg.algo.advantage.estimator == "gae":
-        critic = ModelGroup(critic_actor_config(cfg, model), cfg.fsdp, "critic", on_gpu,
-                            colocation=share)  # fmt: skip
-        actors["critic"] = critic
+    actors = {"policy": policy} if critic is None else {"policy": policy, "critic": critic}
     models = [group for group in (policy, reference, critic) if group is not None]
     kl_ctl = kl_controller(cfg.algo.advantage.kl_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
 
@@ -307,23 +315,20 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     return metrics
 
 
-def start_concurrently(start_rollout, *builders) -> tuple:
-    """The engines start on a thread while `builders` run here in order (the runners, the
-    policy group): they overlap (docs/benchmarks.md, start-up). Returns (rollout, *built).
-    Whichever fails, the rest is shut down."""
-    built = []
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-start") as executor:
-        rollout_future = executor.submit(start_rollout)
+def start_concurrently(*starts) -> tuple:
+    """Each of `starts` (the engines, the runners, each model group) on a thread of its own:
+    they mostly wait on imports and processes, and overlap (docs/benchmarks.md, start-up).
+    Returns their results in order (a start may return None: nothing asked for). Whichever
+    fails, every other part is shut down once its start has ended."""
+    with concurrent.futures.ThreadPoolExecutor(len(starts), thread_name_prefix="molt-start") as ex:
+        futures = [ex.submit(start) for start in starts]
         try:
-            for build in builders:
-                built.append(build())
-            return rollout_future.result(), *built
+            return tuple(future.result() for future in futures)
         except BaseException:
-            for part in built:
-                with contextlib.suppress(Exception):
-                    part.shutdown()
-            with contextlib.suppress(Exception):  # waits for a start still in progress
-                rollout_future.result().shutdown()
+            for future in futures:  # waits for each start still in progress
+                with contextlib.suppress(BaseException):
+                    if (part := future.result()) is not None:
+                        part.shutdown()
             raise
 
 
