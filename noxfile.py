@@ -63,6 +63,11 @@ LOCAL_DEPS = {
     "molt-train": ["molt-algos", "molt-capture", "molt-rollout"],
 }
 PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
+# Packages whose tests run on two workers (pytest-xdist; a module per worker, so a module's
+# fixtures are built once): their multi-process tests mostly wait. Measured on the 2-core
+# machine: molt-train 166 -> 128 s, molt-rollout 46 -> 36 s; molt-algos and molt-capture gain
+# nothing (docs/benchmarks.md, "CI time").
+PARALLEL_TESTS = {"molt-rollout", "molt-train"}
 
 nox.options.default_venv_backend = "uv"
 
@@ -116,9 +121,11 @@ def tests(session: nox.Session, package: str) -> None:
     if package in ALLOWED_DEPS:
         session.run("python", ".ci/check_isolation.py", package, *ALLOWED_DEPS[package])
     install_package(session, package, TEST_EXTRAS.get(package, "test"))
+    workers = ["-n", "2", "--dist", "loadfile"] if package in PARALLEL_TESTS else []
     session.run(
         "pytest",
         f"packages/{package}/tests",
+        *workers,
         *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )
