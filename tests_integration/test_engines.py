@@ -15,11 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from molt_capture.types import SamplingParams
-from molt_rollout.client import GENERATE_PATH, weight_version_number
+from molt_rollout.client import GENERATE_PATH, SESSION_HEADER, weight_version_number
 from molt_rollout.engine import CPU_SERVER
 from molt_rollout.network import free_port
 from molt_rollout.refit import RefitError, Refitter
-from molt_rollout.router import SESSION_HEADER
 
 PROMPT = list(range(10, 74))  # 64 token ids
 LONG_GENERATION = 7000  # the engines' max_model_len is 8192

@@ -33,8 +33,10 @@ from molt_capture.errors import ParamRejected
 from molt_capture.media import ImageInput
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.network import Network
-from molt_rollout.router import SESSION_HEADER
 
+# The header vllm-router's sticky policy keys a rollout's requests on (molt_rollout.router).
+# Here, not in router.py: a client (and so molt-train's config) imports no Ray.
+SESSION_HEADER = "x-session-id"
 FINAL_ONLY = 2  # vllm.sampling_params.RequestOutputKind.FINAL_ONLY (no vLLM import in runners)
 
 GENERATE_PATH = "/inference/v1/generate"

@@ -22,8 +22,6 @@ from molt_rollout.config import RouterConfig
 from molt_rollout.engine import EngineError, log_tail
 from molt_rollout.network import LOOPBACK, SINGLE_NODE, Network, check_reachable, free_port
 
-SESSION_HEADER = "x-session-id"
-
 
 class Router:
     def __init__(self, cfg: RouterConfig, engine_urls: list[str], log_dir: str,
