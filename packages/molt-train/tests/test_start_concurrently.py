@@ -1,10 +1,9 @@
-"""`start_concurrently`: the engines, the runners and each model group start on threads of
-their own; whichever fails, everything else is shut down once started. The real parts run in
+"""`start_concurrently`: the engines start on a thread while the runners and the model groups
+are built in order; whichever fails, everything already started is shut down. The real parts run in
 the molt-train integration tests (tests_integration/test_train.py); these fakes pin the
 order and the failure paths, which those cannot provoke on demand."""
 
 import threading
-import time
 
 import pytest
 
@@ -19,29 +18,23 @@ class Part:
         self.log.append(f"{self.name} shut down")
 
 
-def test_every_part_starts_while_the_others_do():
+def test_builders_run_while_the_rollout_starts():
     log: list[str] = []
-    runners_started, policy_started = threading.Event(), threading.Event()
+    built = threading.Event()
 
     def start_rollout() -> Part:
-        assert policy_started.wait(5)  # returns only once the builders ran: they overlap
+        assert built.wait(5)  # returns only once the builders ran: they overlap the start
         return Part("rollout", log)
 
     def build_runners() -> Part:
-        runners_started.set()
+        built.set()
         return Part("runners", log)
 
-    def build_policy() -> Part:
-        policy_started.set()
-        return Part("policy", log)
-
-    def build_critic() -> Part:
-        assert runners_started.wait(5) and policy_started.wait(5)  # the critic overlaps them too
-        return Part("critic", log)
-
-    parts = start_concurrently(start_rollout, build_runners, build_policy, lambda: None,
-                               build_critic)  # fmt: skip
-    assert [p and p.name for p in parts] == ["rollout", "runners", "policy", None, "critic"]
+    rollout, runners, policy, reference = start_concurrently(
+        start_rollout, build_runners, lambda: Part("policy", log), lambda: None
+    )
+    assert (rollout.name, runners.name, policy.name, reference) == (
+        "rollout", "runners", "policy", None)  # fmt: skip
     assert log == []
 
 
@@ -53,23 +46,17 @@ def test_a_failing_builder_shuts_down_what_was_started():
 
     with pytest.raises(RuntimeError, match="policy failed"):
         start_concurrently(lambda: Part("rollout", log), lambda: Part("runners", log),
-                           failing_policy, lambda: None, lambda: Part("critic", log))  # fmt: skip
-    assert sorted(log) == ["critic shut down", "rollout shut down", "runners shut down"]
+                           lambda: None, failing_policy)  # fmt: skip
+    assert log == ["runners shut down", "rollout shut down"]
 
 
-def test_a_failing_rollout_shuts_down_the_built_parts_after_their_start():
+def test_a_failing_rollout_shuts_down_the_built_parts():
     log: list[str] = []
-    slow_policy_done = threading.Event()
 
     def failing_rollout() -> Part:
         raise RuntimeError("engine 0 exited")
 
-    def slow_policy() -> Part:
-        time.sleep(0.2)  # still starting when the rollout fails: shut down once built
-        slow_policy_done.set()
-        return Part("policy", log)
-
     with pytest.raises(RuntimeError, match="engine 0 exited"):
-        start_concurrently(failing_rollout, lambda: Part("runners", log), slow_policy)
-    assert slow_policy_done.is_set()
-    assert sorted(log) == ["policy shut down", "runners shut down"]
+        start_concurrently(failing_rollout, lambda: Part("runners", log),
+                           lambda: Part("policy", log))  # fmt: skip
+    assert log == ["runners shut down", "policy shut down"]

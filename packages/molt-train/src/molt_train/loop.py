@@ -315,20 +315,27 @@ def _run(cfg: RunConfig, stop: GracefulStop, source: PromptSource, eval_rows: li
     return metrics
 
 
-def start_concurrently(*starts) -> tuple:
-    """Each of `starts` (the engines, the runners, each model group) on a thread of its own:
-    they mostly wait on imports and processes, and overlap (docs/benchmarks.md, start-up).
-    Returns their results in order (a start may return None: nothing asked for). Whichever
-    fails, every other part is shut down once its start has ended."""
-    with concurrent.futures.ThreadPoolExecutor(len(starts), thread_name_prefix="molt-start") as ex:
-        futures = [ex.submit(start) for start in starts]
+def start_concurrently(start_rollout, *builders) -> tuple:
+    """The engines start on a thread while `builders` run here in order (the runners, the
+    policy group, the reference and critic groups): they overlap (docs/benchmarks.md,
+    start-up). In order, not on threads of their own: two threads importing transformers' and
+    AutoModel's stacks at once can see each other's modules half-initialised (CI saw
+    `cannot import name '_shard' from 'torch.distributed'`). Returns (rollout, *built); a
+    builder may return None (nothing asked for). Whichever fails, the rest is shut down."""
+    built = []
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-start") as executor:
+        rollout_future = executor.submit(start_rollout)
         try:
-            return tuple(future.result() for future in futures)
+            for build in builders:
+                built.append(build())
+            return rollout_future.result(), *built
         except BaseException:
-            for future in futures:  # waits for each start still in progress
-                with contextlib.suppress(BaseException):
-                    if (part := future.result()) is not None:
+            for part in built:
+                if part is not None:
+                    with contextlib.suppress(Exception):
                         part.shutdown()
+            with contextlib.suppress(Exception):  # waits for a start still in progress
+                rollout_future.result().shutdown()
             raise
 
 
