@@ -91,14 +91,12 @@ def learn(run: Path, agent: str, *flags: str) -> None:
     assert (run / "config.json").exists() and (run / "checkpoints").is_dir()
 
 
-@pytest.mark.two_at_once
 @pytest.mark.parametrize(("agent", "flags"), [("halves_env", []), ("halves_chat", LORA)],
                          ids=["halves_env", "halves_chat-lora"])  # fmt: skip
 def test_quickstart_learns(tmp_path, agent, flags):
     learn(tmp_path / agent, agent, *flags)
 
 
-@pytest.mark.two_at_once
 def test_the_adapter_refit_learns_then_resumes_serving_the_restored_adapter(tmp_path):
     """--actor.lora.refit adapter (vLLM's LoRA serving the adapters) learns the quickstart;
     the engines keep the last --train.max_staleness + 1 adapters; a resumed run's engines
@@ -127,7 +125,6 @@ def test_the_adapter_refit_learns_then_resumes_serving_the_restored_adapter(tmp_
     assert all(abs(r["is/vllm_kl"]) < 1e-3 for r in rows if r["is/vllm_kl"] is not None)
 
 
-@pytest.mark.two_at_once
 def test_rollouts_spanning_versions_are_trained(tmp_path):
     """Asynchronous training with partial rollouts on: refits land while rollouts wait on a slow
     tool, so their turns come from different weight versions; the pool admits them within
@@ -352,7 +349,6 @@ def test_a_killed_engine_is_restarted_and_refit_and_the_run_completes(tmp_path, 
     assert starts == [1, 2]  # the killed engine's log holds both servers' lines
 
 
-@pytest.mark.two_at_once
 def test_gae_critic_with_reference_kl(tmp_path):
     """GAE with a critic, a reference model with KL in the reward and as a loss; also the
     refit that waits for in-flight requests, and dynamic filtering."""
@@ -370,7 +366,6 @@ def test_gae_critic_with_reference_kl(tmp_path):
     assert all("pool/filtered_groups" in r for r in rows)
 
 
-@pytest.mark.two_at_once
 def test_sft_lowers_the_loss(tmp_path):
     run = tmp_path / "sft"
     molt_train(run, "sft", "--logger.wandb_mode", "disabled", "--train.epochs", "3")
@@ -379,7 +374,6 @@ def test_sft_lowers_the_loss(tmp_path):
     assert (run / "hf_policy" / "config.json").exists()
 
 
-@pytest.mark.two_at_once
 def test_bad_runs_fail_fast_naming_the_problem(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     for flags, needle in [

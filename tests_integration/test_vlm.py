@@ -22,7 +22,6 @@ def task(tmp_path_factory) -> dict[str, str]:
             "data": str(write_data(root / "data"))}  # fmt: skip
 
 
-@pytest.mark.two_at_once
 @pytest.mark.parametrize("agent", ["colours_env", "colours_chat"])
 def test_the_tiny_vlm_learns_to_read_the_image(tmp_path, task, agent):
     run = tmp_path / agent
