@@ -66,7 +66,7 @@ PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
 # Packages whose tests run on two workers (pytest-xdist; a module per worker, so a module's
 # fixtures are built once): their multi-process tests mostly wait. Measured on the 2-core
 # machine: molt-train 166 -> 128 s, molt-rollout 46 -> 36 s; molt-algos and molt-capture gain
-# nothing (docs/benchmarks.md, "CI time").
+# nothing (docs/benchmarks.md, "CI: fewer run start-ups, two workers for two packages").
 PARALLEL_TESTS = {"molt-rollout", "molt-train"}
 
 nox.options.default_venv_backend = "uv"
