@@ -25,6 +25,7 @@ from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
 from molt_rollout.service import RolloutService
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
 from molt_train.config import AlgoConfig
+from molt_train.loop import start_concurrently
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
@@ -35,29 +36,38 @@ LORA = LoRAConfig(rank=8, alpha=16.0, refit="adapter")
 
 
 @pytest.fixture(scope="module")
-def lora_engine(ray_cluster, tiny_model, tmp_path_factory):
-    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32", startup_timeout_s=300)
-    service = RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(),
-                                   str(tmp_path_factory.mktemp("logs")), on_gpu=False,
-                                   with_refitter=False, adapters=SERVING)  # fmt: skip
-    yield service
-    service.shutdown()
-
-
-@pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("adapters")
 
 
 @pytest.fixture(scope="module")
-def policy(lora_engine, tiny_model, adapter_dir):
+def served(ray_cluster, tiny_model, tmp_path_factory, adapter_dir):
+    """The engine serving adapters and the two-rank LoRA policy linked to it, built as a run
+    builds them: the policy while the engine starts."""
+    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32", startup_timeout_s=300)
     cfg = ActorConfig(model_path=tiny_model, num_workers=2, max_tokens_per_microbatch=256,
                       optim=OptimConfig(lr=2e-2), lora=LORA)  # fmt: skip
-    group = ModelGroup(cfg, FSDPConfig(), on_gpu=False)
-    group.init_refit(lora_engine.engine_urls, lora_engine.workers_per_engine, RefitConfig(),
+    service, group = start_concurrently(
+        lambda: RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(),
+                                     str(tmp_path_factory.mktemp("logs")), on_gpu=False,
+                                     with_refitter=False, adapters=SERVING),
+        lambda: ModelGroup(cfg, FSDPConfig(), on_gpu=False),
+    )  # fmt: skip
+    group.init_refit(service.engine_urls, service.workers_per_engine, RefitConfig(),
                      adapters=SERVING, adapter_dir=str(adapter_dir))  # fmt: skip
-    yield group
+    yield service, group
     group.shutdown()
+    service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lora_engine(served) -> RolloutService:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def policy(served) -> ModelGroup:
+    return served[1]
 
 
 def sample(service: RolloutService, max_tokens: int = 24):
