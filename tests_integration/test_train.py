@@ -292,9 +292,11 @@ def test_a_killed_engine_is_restarted_then_a_signal_stops_the_run_cleanly(tmp_pa
     flags = [*FAST, "--train.num_steps", "200", "--train.force_on_policy", "True",
              "--rollout.groups_per_batch", "4", "--vllm.num_engines", "2", *flags]  # fmt: skip
     process = start_run(tmp_path, run, flags)
+    deadline = time.monotonic() + 600
 
     def running() -> None:
         assert process.poll() is None, output(run)[1][-3000:]
+        assert time.monotonic() < deadline, "no restart and three steps after it in 600 s"
 
     try:
         wait_for(run, "metrics.jsonl", process)
