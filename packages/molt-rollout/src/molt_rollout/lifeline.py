@@ -48,7 +48,10 @@ def stop(process: subprocess.Popen, grace_s: float = GRACE_S) -> None:
 def reap_descendants() -> subprocess.Popen:
     """Start the watcher of this process's descendants (see the module doc)."""
     command = [sys.executable, "-m", "molt_rollout.lifeline", "--reap", str(os.getpid())]
-    return subprocess.Popen(command, start_new_session=True)
+    # It has nothing to say, and holding the caller's output open would keep a pipe reading
+    # the run (`| tee`, a test's captured output) open until its grace period ends.
+    return subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 def _reap(owner: int) -> int:
