@@ -11,17 +11,23 @@ it named.
 import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from molt_capture.types import SamplingParams
 from molt_rollout.adapters import AdapterServing
-from molt_rollout.client import GENERATE_PATH, weight_version_number
-from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
+from molt_rollout.agent import Dropped
+from molt_rollout.client import GENERATE_PATH, GenerationError, TokenClient, weight_version_number
+from molt_rollout.config import RefitConfig, RolloutConfig, RouterConfig, VLLMConfig
+from molt_rollout.engine import EngineError
+from molt_rollout.loader import load_agent
 from molt_rollout.service import RolloutService
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
 from molt_train.config import AlgoConfig
@@ -29,6 +35,7 @@ from molt_train.loop import start_concurrently
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
+AGENTS = Path(__file__).parent / "agents"
 PROMPT = list(range(10, 74))  # 64 token ids
 TEMPERATURE = 0.7
 SERVING = AdapterServing(rank=8, keep=2)
@@ -235,3 +242,48 @@ def test_a_request_that_outlives_the_window_does_not_kill_the_engine(policy, lor
     assert set(generation.weight_versions) == {version + SERVING.keep + 1}
     trainer = response_logprobs(policy, generation.token_ids)
     torch.testing.assert_close(torch.tensor(generation.logprobs), trainer, atol=2e-3, rtol=0)
+
+
+def test_last_a_killed_engine_is_reported_within_seconds(lora_engine, tiny_model):
+    """Last in this module: it kills the module's engine (an engine start-up fewer in CI than
+    one of its own). The engine group reports it within seconds, naming it, with its own last
+    log lines; a token client gives up after its retries; a rollout on the dead engine drops,
+    counted as `engine_error`, in both agent forms."""
+    engines = lora_engine.engines
+    (url,) = lora_engine.engine_urls
+    engines.check()  # alive
+    (pid,) = engines.pids()
+    os.killpg(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineError) as error:
+        while time.monotonic() - start < 10:
+            engines.check()
+            time.sleep(0.1)
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert "engine 0" in message and "exited with code" in message
+    assert "last log lines of" in message and "engine_0.log" in message
+    assert 'HTTP/1.1" 200 OK' in message  # the engine's own output: its last requests
+
+    async def generate():
+        client = TokenClient(url, tiny_model, timeout_s=10, max_retries=2, backoff_s=0.1)
+        try:
+            await client([1, 2, 3], SamplingParams(max_tokens=4), "dead")
+        finally:
+            await client.aclose()
+
+    start = time.monotonic()
+    with pytest.raises(GenerationError, match="after 3 attempts"):
+        asyncio.run(generate())
+    assert time.monotonic() - start < 5
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    row = {"prompt": [{"role": "user", "content": "What is 1 plus 1?"}], "label": "2"}
+    for agent in ("single_turn_env.py", "openai_chat_agent.py"):
+        client = TokenClient(url, tiny_model, timeout_s=10, max_retries=1, backoff_s=0.1)
+        runner = load_agent(str(AGENTS / agent))(client, tokenizer, RolloutConfig(max_len=512))
+        try:
+            dropped = asyncio.run(runner.run(row, rollout_id="r0", group_id="g0"))
+        finally:
+            runner.close()
+        assert isinstance(dropped, Dropped) and dropped.reason == "engine_error", dropped

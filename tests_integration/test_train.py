@@ -247,30 +247,6 @@ def engine_servers(tree: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p, parent in servers.items() if parent not in {q.pid for q in servers}]
 
 
-def test_an_engine_killed_mid_run_fails_the_run_within_30_s(tmp_path):
-    """With restarts off: no hang, the engine watchdog stops the run with the engine's own log
-    tail, and the run still shuts everything down."""
-    run = tmp_path / "engine_death"
-    process = start_run(tmp_path, run, [*FAST, "--train.num_steps", "200",
-                                        "--vllm.restart_on_failure", "False"])  # fmt: skip
-    try:
-        wait_for(run, "metrics.jsonl", process)
-        tree, ports = run_processes(process)
-        (server,) = engine_servers(tree)
-        t0 = time.monotonic()
-        os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
-        process.wait(timeout=120)
-        _, err = output(run)
-        assert time.monotonic() - t0 < 30
-        assert process.returncode == 1, err[-3000:]
-        assert "engine failure: engine 0" in err and "last log lines of" in err, err[-3000:]
-        assert "Traceback" not in err
-        assert_nothing_left(tree, ports, within_s=15)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-
 @pytest.mark.parametrize(("flags", "sig"), [([], signal.SIGTERM), ([*LORA, *ADAPTER], signal.SIGINT)],
                          ids=["merged-SIGTERM", "lora-adapter-SIGINT"])  # fmt: skip
 def test_a_killed_engine_is_restarted_then_a_signal_stops_the_run_cleanly(tmp_path, flags, sig):
@@ -341,15 +317,42 @@ def test_a_killed_engine_is_restarted_then_a_signal_stops_the_run_cleanly(tmp_pa
     assert starts == [1, 2]  # the killed engine's log holds both servers' lines
 
 
-def test_gae_critic_with_reference_kl(tmp_path):
+def test_gae_critic_with_reference_kl_then_a_killed_engine_fails_the_run_within_30_s(tmp_path):
     """GAE with a critic, a reference model with KL in the reward and as a loss; also the
-    refit that waits for in-flight requests, and dynamic filtering."""
+    refit that waits for in-flight requests, and dynamic filtering.
+
+    Then, with restarts off, the engine killed mid-run: no hang, the engine watchdog stops the
+    run with the engine's own log tail, and the run still shuts everything down, the reference
+    and critic workers included. One run for both: a start-up fewer in CI."""
     run = tmp_path / "gae"
-    molt_train(run, *FAST, "--train.num_steps", "2", "--algo.advantage.estimator", "gae",
-               "--ref.enable", "True", "--algo.kl.loss_coef", "0.05",
-               "--algo.advantage.kl_coef", "0.01", "--train.partial_rollout_enable", "False",
-               "--algo.dynamic_filtering_enable", "True")  # fmt: skip
+    process = start_run(tmp_path, run, [
+        *FAST, "--train.num_steps", "200", "--algo.advantage.estimator", "gae",
+        "--ref.enable", "True", "--algo.kl.loss_coef", "0.05", "--algo.advantage.kl_coef", "0.01",
+        "--train.partial_rollout_enable", "False", "--algo.dynamic_filtering_enable", "True",
+        "--vllm.restart_on_failure", "False"])  # fmt: skip
+    try:
+        wait_for(run, "metrics.jsonl", process)
+        tree, ports = run_processes(process)
+        (server,) = engine_servers(tree)
+        deadline = time.monotonic() + 300
+        while len(metrics(run)) < 2:  # two steps' metrics to check
+            assert process.poll() is None, output(run)[1][-3000:]
+            assert time.monotonic() < deadline, "no second step in 300 s"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
+        process.wait(timeout=120)
+        _, err = output(run)
+        assert time.monotonic() - t0 < 30
+        assert process.returncode == 1, err[-3000:]
+        assert "engine failure: engine 0" in err and "last log lines of" in err, err[-3000:]
+        assert "Traceback" not in err
+        assert_nothing_left(tree, ports, within_s=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     rows = metrics(run)
+    assert len(rows) >= 2
     assert all("critic/loss/value" in r for r in rows), rows[0].keys()
     assert all(r["ref/kl"] >= 0 and r["loss/ref_kl"] >= 0 for r in rows)
     assert all(r["critic/loss/value"] > 0 and r["ref/kl_coef"] == 0.01 for r in rows)
