@@ -109,6 +109,17 @@ def router_addresses() -> set[str]:
     return found
 
 
+def wait_until_serving(url: str, driver: subprocess.Popen) -> None:
+    """Until the engine's /health answers 200 (refused or reset while it starts)."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert driver.poll() is None and time.monotonic() < deadline, "the engine never served"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return
+        time.sleep(0.1)
+
+
 def servers_on(port: int) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -143,22 +154,18 @@ def test_a_run_across_two_nodes(tmp_path):
         try:
             host, port = engine_address(run / "logs" / "engine_0.log", driver)
             assert host == WORKER  # its own node's address, from Ray
-            # The router starts after the engines and lives until the run's end: look for it
-            # now, not after a step, when a three-step run may already be shutting down.
+            # Checked as soon as the engine serves: the run needs its first refit and three
+            # steps more before it stops the engine (CI saw a check after a step lose that race).
+            url = f"http://{host}:{port}"
+            wait_until_serving(url, driver)
+            for path in ("/pause", "/inference/v1/generate"):  # control and inference
+                assert httpx.post(f"{url}{path}", timeout=10).status_code == 401
+            # The router starts after the engines and lives until the run's end.
             routers: set[str] = set()
             while driver.poll() is None and not routers:
                 routers = router_addresses()
                 time.sleep(0.2)
             assert routers == {"127.0.0.1"}, "no vllm-router listening, or not on loopback only"
-            while driver.poll() is None and not (run / "metrics.jsonl").exists():
-                time.sleep(0.5)  # the engine serves: a step has been generated
-            if driver.poll() is None:
-                url = f"http://{host}:{port}"
-                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-                for path in ("/pause", "/inference/v1/generate"):  # control and inference
-                    assert httpx.post(f"{url}{path}", timeout=10).status_code == 401
-                # Serving by now (empty if the run is already shutting down).
-                assert router_addresses() <= {"127.0.0.1"}
             driver.wait(timeout=600)
         finally:
             with contextlib.suppress(ProcessLookupError):
