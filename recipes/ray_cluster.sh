@@ -7,13 +7,20 @@
 #
 # `head` and `worker` stay in the foreground (`ray start --block`) so that srun or a test owns
 # them: ending the step ends the node. `wait` exits 0 once the cluster has NODES alive nodes,
-# 1 after TIMEOUT_S with the count it saw. Molt then joins with --train.ray_address HEAD_IP:PORT.
+# printing their addresses as a joining driver sees them, 1 after TIMEOUT_S with the count it
+# saw. Molt then joins with --train.ray_address HEAD_IP:PORT.
 set -euo pipefail
 
-usage() { sed -n '2,10p' "$0" >&2; exit 2; }
+usage() { sed -n '2,11p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 role=$1 head_ip=$2 port=$3
 shift 3
+
+# On SIGTERM a node first asks the GCS to mark it draining (for Ray Serve's proxies, which Molt
+# does not use) and waits up to this long for the answer. When a job ends, Slurm signals every
+# process of the step, the GCS among them, so the head waited out the whole 30 s default
+# (longer than Slurm's default KillWait before its SIGKILL): 0 ends a node at once.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 
 case $role in
   head)
@@ -33,17 +40,18 @@ case $role in
     deadline=$((SECONDS + timeout_s))
     seen=0
     while ((SECONDS < deadline)); do
-      seen=$(timeout 60 python3 - "$head_ip:$port" <<'PY' 2>/dev/null || echo 0
+      alive=$(timeout 60 python3 - "$head_ip:$port" <<'PY' 2>/dev/null || true
 import sys
 
 import ray
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print(sum(1 for node in ray.nodes() if node["Alive"]))
+print(" ".join(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
 PY
 )
+      seen=$(wc -w <<< "$alive")
       if ((seen >= nodes)); then
-        echo "ray cluster at $head_ip:$port: $seen nodes alive"
+        echo "ray cluster at $head_ip:$port: $seen nodes alive: $alive"
         exit 0
       fi
       sleep 2
