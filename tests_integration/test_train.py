@@ -163,6 +163,16 @@ def wait_for(run: Path, name: str, process: subprocess.Popen, timeout_s: float =
         time.sleep(0.1)
 
 
+def wait_for_steps(run: Path, process: subprocess.Popen, steps: int, poll_s: float = 0.1,
+                   timeout_s: float = 600) -> None:  # fmt: skip
+    """Until the run has logged `steps` steps (the run must still be going)."""
+    deadline = time.monotonic() + timeout_s
+    while len(metrics(run)) < steps:
+        assert process.poll() is None, "the run ended first: " + output(run)[1][-3000:]
+        assert time.monotonic() < deadline, f"fewer than {steps} steps after {timeout_s} s"
+        time.sleep(poll_s)
+
+
 def process_tree(driver: subprocess.Popen) -> list[psutil.Process]:
     """Every process of a run: the driver's descendants (Ray, runners, actors, lifelines,
     engines, router)."""
@@ -277,9 +287,7 @@ def test_a_killed_engine_is_restarted_then_a_signal_stops_the_run_cleanly(tmp_pa
     try:
         wait_for(run, "metrics.jsonl", process)
         servers = engine_servers(process_tree(process))  # listed first: steps take 0.3 s
-        while len(metrics(run)) < 2:  # two steps trained: the weights differ from the initial
-            running()
-            time.sleep(0.05)
+        wait_for_steps(run, process, 2, poll_s=0.05)  # the weights differ from the initial
         os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)  # the engine and its engine core
         killed_at = len(metrics(run))
         new_servers = []
@@ -334,11 +342,7 @@ def test_gae_critic_with_reference_kl_then_a_killed_engine_fails_the_run_within_
         wait_for(run, "metrics.jsonl", process)
         tree, ports = run_processes(process)
         (server,) = engine_servers(tree)
-        deadline = time.monotonic() + 300
-        while len(metrics(run)) < 2:  # two steps' metrics to check
-            assert process.poll() is None, output(run)[1][-3000:]
-            assert time.monotonic() < deadline, "no second step in 300 s"
-            time.sleep(0.1)
+        wait_for_steps(run, process, 2)  # two steps' metrics to check
         t0 = time.monotonic()
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)  # the engine and its engine core
         process.wait(timeout=120)
