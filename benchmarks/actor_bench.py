@@ -204,7 +204,7 @@ def model_numbers(model) -> dict:
     embed = model.get_input_embeddings().weight.numel()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return dict(N=total - embed, total=total, L=cfg.num_hidden_layers,
-                hd=cfg.num_attention_heads * head_dim)  # fmt: skip
+                hd=cfg.num_attention_heads * head_dim, vocab=cfg.vocab_size)  # fmt: skip
 
 
 def flops(nums: dict, lengths: list[int], backward: bool) -> float:
@@ -315,6 +315,11 @@ BARE_ATTN = {
     "bare+gqa": "molt_varlen_gqa",
     "bare+auto": "molt_auto",
 }
+
+
+def resident(ctx, variant: str) -> bool:
+    """Whether the variant's model is in memory in this phase (actor_vs_automodel's --resident)."""
+    return ("rl" if variant.startswith("rl") else "bare") in ctx["resident"]
 
 
 def bare_variant(bares, name):

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from actor_bench import RESULTS, Bare, bare_variant, say, set_attn, set_documents
+from actor_bench import RESULTS, Bare, bare_variant, resident, say, set_attn, set_documents
 
 
 def rl_algo(entropy_coef: float = 0.0):
@@ -304,7 +304,7 @@ def profile_step(args, ctx, out_dir) -> None:
         return go
 
     todo = []
-    for name in args.profile_variants.split(","):
+    for name in [v for v in args.profile_variants.split(",") if resident(ctx, v)]:
         if name.startswith("rl"):
             todo.append((name, rl(name)))
         else:

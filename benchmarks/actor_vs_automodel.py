@@ -61,6 +61,7 @@ Runs used for docs/benchmarks.md (section "Trainer parity on one H200") are list
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -78,6 +79,7 @@ from actor_bench import (
     flops,
     model_numbers,
     register_attention,
+    resident,
     say,
     static_bytes,
     write_model,
@@ -101,7 +103,7 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     from molt_train.packing import plan_microbatches
 
     worker, bares, timer, nums = ctx["worker"], ctx["bares"], ctx["timer"], ctx["nums"]
-    vocab = worker.model.config.vocab_size
+    vocab = nums["vocab"]
     count = max(1, args.tokens_per_step // seq_len)
     samples = random_samples(vocab, count, seq_len, seed=seq_len)
     plan = plan_microbatches(samples, args.max_tokens_per_microbatch, 1, worker.padded)
@@ -110,9 +112,10 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     tokens = sum(lengths)
     # forward-only log-probs (old policy / reference pass) vs a bare forward
     bare_mbs = bare_microbatches(mine, worker.device)
-    fwd = {"rl-fwd": ("rl", None), "bare-fwd": (None, "bare")}
-    for v in [x for x in args.fwd_variants.split(",") if x]:
-        fwd[f"{v}-fwd"] = (v, None) if v.startswith("rl") else (None, v)
+    fwd = {}
+    for v in ["rl", "bare"] + [x for x in args.fwd_variants.split(",") if x]:
+        if resident(ctx, v):
+            fwd[f"{v}-fwd"] = (v, None) if v.startswith("rl") else (None, v)
     fwd_times = {k: [] for k in fwd}
     old = None
 
@@ -134,9 +137,10 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
                 old = result
             if i >= args.warmup:
                 fwd_times[key].append(s)
-    for mb, values in zip(mine, old, strict=True):
-        for sample, lp in zip(mb, values, strict=True):
-            sample.old_logprobs = lp
+    if old is not None:  # the RL step's old-policy log-probs
+        for mb, values in zip(mine, old, strict=True):
+            for sample, lp in zip(mb, values, strict=True):
+                sample.old_logprobs = lp
     num_tokens = sum(s.num_trained for s in samples)
     num_sequences = sum(1 for s in samples if s.num_trained)
     fwd_flops = flops(nums, lengths, backward=False)
@@ -145,8 +149,7 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         row = dict(setting=f"{seq_len}", entropy="-", variant=k, s=v, tok_s=tokens / v,
                    mfu=fwd_flops / v / PEAK_FLOPS, peak_gb=None)  # fmt: skip
         RESULTS["rows"].append(row)
-    say(f"[{seq_len}] forward-only: " + "  ".join(f"{k} {v:.3f}s" for k, v in med.items())
-        + f"  ratio(bare/rl time) {med['bare-fwd'] / med['rl-fwd']:.2f}")  # fmt: skip
+    say(f"[{seq_len}] forward-only: " + "  ".join(f"{k} {v:.3f}s" for k, v in med.items()))
 
     def rl_step(patch):
         def go():
@@ -160,6 +163,8 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     for name in variants:
         if name == "rl+all" and entropy_coef:  # it drops the entropy term: only at coef 0
             continue
+        if not resident(ctx, name):
+            continue
         if name.startswith("rl"):
             steps[name] = rl_step(RL_VARIANTS[name])
         else:
@@ -168,7 +173,6 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     times = {k: [] for k in steps}
     peaks = {k: 0.0 for k in steps}
     failed = {}
-    ctx.pop("bare_auto_tok_s", None)
     for i in range(args.warmup + args.steps):
         for name, fn in steps.items():  # alternating
             if name in failed:
@@ -184,7 +188,6 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
                 times[name].append(s)
                 peaks[name] = max(peaks[name], peak)
     step_flops = flops(nums, lengths, backward=True)
-    base = None
     ent = "on" if entropy_coef else "off"
     for name in steps:
         if name in failed or not times[name]:
@@ -195,17 +198,8 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
         row = dict(setting=str(seq_len), entropy=ent, variant=name, s=t, tok_s=tokens / t,
                    mfu=step_flops / t / PEAK_FLOPS, peak_gb=peaks[name],
                    all_s=[round(x, 4) for x in times[name]])  # fmt: skip
-        if name == "bare":
-            base = tokens / t
-        if name == "bare+auto":
-            ctx["bare_auto_tok_s"] = tokens / t
         RESULTS["rows"].append(row)
-    for row in RESULTS["rows"]:
-        mine_row = row.get("setting") == str(seq_len) and row.get("entropy") == ent
-        if mine_row and base and "tok_s" in row:
-            row["ratio"] = row["tok_s"] / base
-            if ctx.get("bare_auto_tok_s"):  # against the bare step with the same attention
-                row["ratio_vs_bare_auto"] = row["tok_s"] / ctx["bare_auto_tok_s"]
+    add_ratios(str(seq_len), ent)
     say(f"[{seq_len} entropy {ent}] " + "  ".join(
         f"{r['variant']} {r['s']:.3f}s {r['tok_s']:.0f}tok/s mfu {r['mfu']:.1%} "
         f"peak+{r['peak_gb']:.1f}GB ratio {r.get('ratio', float('nan')):.2f}"
@@ -215,13 +209,42 @@ def run_setting(args, ctx, seq_len: int, entropy_coef: float, variants: list[str
     ctx.setdefault("last", {})[seq_len] = (mine, num_tokens, num_sequences, bare_mbs, samples)
 
 
+def add_ratios(setting: str, ent: str) -> None:
+    """Each step's tokens/s over the bare step's (and over bare+auto's, the same attention),
+    once both are in RESULTS: in one phase, or across the two of --resident one."""
+    rows = [r for r in RESULTS["rows"]
+            if r.get("setting") == setting and r.get("entropy") == ent and "tok_s" in r]  # fmt: skip
+    base = {r["variant"]: r["tok_s"] for r in rows if r["variant"] in ("bare", "bare+auto")}
+    for row in rows:
+        if "bare" in base:
+            row["ratio"] = row["tok_s"] / base["bare"]
+        if "bare+auto" in base:
+            row["ratio_vs_bare_auto"] = row["tok_s"] / base["bare+auto"]
+
+
+def summary(args) -> None:
+    """The issue's numbers, one line each: the step ratio (RL tokens/s / bare tokens/s) per
+    setting and the forward-only pass against a bare forward."""
+    rows = {(r["setting"], r["entropy"], r["variant"]): r for r in RESULTS["rows"] if "s" in r}
+    for (setting, ent, variant), row in sorted(rows.items()):
+        if variant == "rl" and "ratio" in row:
+            say(f"[{setting} entropy {ent}] step ratio {row['ratio']:.2f} "
+                f"(rl {row['s']:.3f} s, bare {rows[setting, ent, 'bare']['s']:.3f} s)")  # fmt: skip
+        if variant == "rl-fwd" and (setting, "-", "bare-fwd") in rows:
+            bare = rows[setting, "-", "bare-fwd"]["s"]
+            say(f"[{setting}] forward-only ratio {bare / row['s']:.2f} (bare time / rl time)")
+    default = rows.get((str(args.default_seq_len), "off", "rl"), {})
+    if "ratio" in default:
+        say(f"step ratio {default['ratio']:.2f}")
+
+
 def correctness(args, ctx) -> None:
     """Packing isolates sequences under the new attention path too, and it agrees with SDPA's
     dense-mask path."""
     from actor_gpu_smoke import random_samples
 
     worker = ctx["worker"]
-    vocab = worker.model.config.vocab_size
+    vocab = ctx["nums"]["vocab"]
     check = random_samples(vocab, 4, 300, seed=1)
     out = {}
     for attn in ("sdpa", "molt_varlen", "molt_varlen_gqa", "molt_auto", "molt_documents"):
@@ -269,6 +292,12 @@ def main() -> None:
     p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--cpu", action="store_true")
+    p.add_argument(
+        "--resident",
+        choices=("both", "one"),
+        default="both",
+        help="one: the RL model's runs, then the bare model's (one in memory at a time)",
+    )
     args = p.parse_args()
     on_gpu = not args.cpu and torch.cuda.is_available()
     if args.write_model:
@@ -294,6 +323,33 @@ def main() -> None:
     say(f"worker built in {time.perf_counter() - t0:.1f}s: {type(worker.model).__name__}, "
         f"attn {worker.model.config._attn_implementation}, autocast {worker.autocast}, "
         f"padded {worker.padded}, torch {torch.__version__}")  # fmt: skip
+    nums = model_numbers(worker.model)
+    RESULTS.update(model=nums, torch=torch.__version__, device=torch.cuda.get_device_name() if on_gpu else "cpu",
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))  # fmt: skip
+    say("model numbers:", json.dumps(nums))
+    ctx = dict(worker=worker, bares={}, timer=Timer(on_gpu), nums=nums, static_gb={})
+    # both: every variant alternates step by step; one: the RL model's runs, then it is freed and
+    # the bare model built for its own (an 80 GB GPU does not hold both 1.7B models' steps)
+    for phase in [{"rl", "bare"}] if args.resident == "both" else [{"rl"}, {"bare"}]:
+        ctx["resident"] = phase
+        if "bare" in phase:
+            ctx["bares"] = build_bare(args, worker, on_gpu, world)
+        run_phase(args, ctx, sections, on_gpu)
+        if phase == {"rl"}:
+            worker.model = worker.optimizer = worker.scheduler = None
+            gc.collect()
+            torch.cuda.empty_cache() if on_gpu else None
+            left = torch.cuda.memory_allocated() / 2**30 if on_gpu else 0.0
+            say(f"RL model freed ({left:.2f} GiB still allocated)")
+    summary(args)
+    dump(args.out)
+    say("RESULTS_JSON", json.dumps({k: RESULTS[k] for k in ("rows",)}, default=str)[:100])
+    dist.barrier()
+    worker.shutdown()
+
+
+def build_bare(args, worker, on_gpu: bool, world: int) -> dict:
+    """AutoModel as it comes, from the same checkpoint, on the worker's mesh."""
     t0 = time.perf_counter()
     if on_gpu:
         from nemo_automodel import NeMoAutoModelForCausalLM
@@ -314,18 +370,14 @@ def main() -> None:
 
             bare_model = parallelize_model(bare_model, worker.setup_.mesh_context)
     bare = Bare(bare_model, torch.bfloat16 if on_gpu else None, worker.device)
-    bare_varlen = Bare.__new__(Bare)
-    bare_varlen.__dict__.update(bare.__dict__)
-    bare_varlen.attn = "molt_varlen"
     say(f"bare built in {time.perf_counter() - t0:.1f}s: {type(bare_model).__name__}, "
         f"attn {bare_model.config._attn_implementation}")  # fmt: skip
-    nums = model_numbers(worker.model)
-    RESULTS.update(model=nums, torch=torch.__version__, device=torch.cuda.get_device_name() if on_gpu else "cpu",
-                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))  # fmt: skip
-    ctx = dict(worker=worker, bares={"bare": bare, "bare+varlen": bare_varlen}, timer=Timer(on_gpu),
-               nums=nums)  # fmt: skip
-    ctx["static_gb"] = dict(rl=static_bytes(worker.model, worker.optimizer) / 2**30)
-    say("model numbers:", json.dumps(nums))
+    return {"bare": bare}
+
+
+def run_phase(args, ctx, sections: set[str], on_gpu: bool) -> None:
+    """Every setting's variants whose model is resident, then the sections that need it."""
+    worker, bares = ctx["worker"], ctx["bares"]
     variants = args.variants.split(",")
     for seq_len in [int(x) for x in args.seq_lens.split(",")]:
         for coef in [float(x) for x in args.entropy_coefs.split(",")]:
@@ -337,11 +389,15 @@ def main() -> None:
                 )
                 run_setting(args, ctx, seq_len, coef, variants + extra)
                 dump(args.out)
-    ctx["static_gb"]["bare"] = static_bytes(bare.model, bare.opt) / 2**30
+    if "rl" in ctx["resident"]:
+        ctx["static_gb"]["rl"] = static_bytes(worker.model, worker.optimizer) / 2**30
+    if "bare" in ctx["resident"]:
+        ctx["static_gb"]["bare"] = static_bytes(bares["bare"].model, bares["bare"].opt) / 2**30
     RESULTS["static_gb"] = ctx["static_gb"]
     say("static (params + optimizer state) GB:", json.dumps(ctx["static_gb"]))
-    for name, fn in [("correct", correctness), ("gather", gather_levers), ("logprob", logprob_levers),
-                     ("host", host_levers)]:  # fmt: skip
+    rl_only = [("correct", correctness), ("gather", gather_levers), ("logprob", logprob_levers),
+               ("host", host_levers)]  # fmt: skip
+    for name, fn in rl_only if "rl" in ctx["resident"] else []:
         if name in sections:
             try:
                 fn(args, ctx)
@@ -354,19 +410,16 @@ def main() -> None:
         except Exception as error:
             say(f"profile FAILED: {error!r}"[:400])
         dump(args.out)
-    if "flex" in sections and on_gpu:
+    both = ctx["resident"] == {"rl", "bare"}
+    if "flex" in sections and on_gpu and both:
         flex_lever(args, ctx)
         dump(args.out)
-    if "dtype" in sections and on_gpu:
+    if "dtype" in sections and on_gpu and both:
         try:
             fsdp_mp_levers(args, ctx, args.default_seq_len)
         except Exception as error:
             say(f"dtype FAILED: {error!r}"[:400])
         dump(args.out)
-    dump(args.out)
-    say("RESULTS_JSON", json.dumps({k: RESULTS[k] for k in ("rows",)}, default=str)[:100])
-    dist.barrier()
-    worker.shutdown()
 
 
 if __name__ == "__main__":
