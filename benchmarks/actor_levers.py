@@ -313,8 +313,7 @@ def profile_step(args, ctx, out_dir) -> None:
     for name, fn in todo:
         fn()
         timer.sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     with_stack=args.sync_stacks) as prof:  # fmt: skip
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             fn()
             timer.sync()
@@ -364,10 +363,6 @@ def profile_step(args, ctx, out_dir) -> None:
             cpu_calls=cpu,
             top=[(e.key[:90], e.count, round(dev_self(e) / 1e3, 2)) for e in top],
         )
-        if args.sync_stacks:
-            summary[name]["syncs"] = sync_sites(prof)
-            for site, n in summary[name]["syncs"]:
-                say(f"   sync x{n}: {site}")
         sort = "self_cuda_time_total"
         try:
             table = events.table(sort_by="self_device_time_total", row_limit=30)
@@ -383,22 +378,6 @@ def profile_step(args, ctx, out_dir) -> None:
         for k, c, ms in summary[name]["top"][:15]:
             say(f"   {ms:9.2f} ms  x{c:<5d} {k}")
     RESULTS["profile"] = summary
-
-
-def sync_sites(prof) -> list[tuple[str, int]]:
-    """Where the host waited for the GPU: each synchronize (and nonzero, which waits for its
-    count) by the innermost frames of its enclosing op's Python stack."""
-    sites = Counter()
-    for e in prof.events():
-        if e.name not in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::nonzero"):
-            continue
-        frames, op = [], e.cpu_parent  # Python frames are the event's ancestors
-        while op is not None and len(frames) < 4:
-            if ".py(" in op.name and "torch/" not in op.name:
-                frames.append(op.name)
-            op = op.cpu_parent
-        sites[f"{e.name} < " + " < ".join(frames)] += 1
-    return sites.most_common(12)
 
 
 def flex_lever(args, ctx) -> None:

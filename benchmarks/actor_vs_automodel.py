@@ -288,11 +288,6 @@ def main() -> None:
     )
     p.add_argument("--fwd-variants", default="rl+auto-align,bare+auto")
     p.add_argument("--profile-variants", default="rl,bare,rl+auto-align,bare+auto")
-    p.add_argument(
-        "--sync-stacks",
-        action="store_true",
-        help="profile with Python stacks and list where the host waits for the GPU",
-    )
     p.add_argument("--lever-variants", default="", help="extra variants, default setting only")
     p.add_argument("--sections", default="main,correct,gather,logprob,host,profile,flex,dtype")
     p.add_argument("--out", default=os.environ.get("OUT"))
