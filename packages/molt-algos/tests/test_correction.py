@@ -10,6 +10,7 @@ from molt_algos.correction import (
     IS_LEVELS,
     IS_MODES,
     importance_correction,
+    importance_weights,
     validate_is_correction,
 )
 
@@ -50,6 +51,9 @@ def test_truth_table(level, mode):
     out = importance_correction(OLD_LOGPROBS, ROLLOUT_LOGPROBS, MASK, isc(level, mode))
     torch.testing.assert_close(out.weights, weights)
     assert torch.equal(out.mask, keep)
+    # the trainer's form (no metrics, no host read) weights alike
+    alone = importance_weights(OLD_LOGPROBS, ROLLOUT_LOGPROBS, MASK, isc(level, mode))
+    assert torch.equal(alone, out.weights)
 
 
 def test_sequence_gates_reject_whole_rows():
@@ -160,6 +164,7 @@ def test_divergence_gates_match_the_loop_reference(kind, threshold, seed):
         assert torch.equal(out.mask[b], mask[b] & kept), (b, mean)
         expected = torch.where(mask[b] & kept, rho[b], torch.zeros_like(rho[b]))
         torch.testing.assert_close(out.weights[b], expected)  # survivors keep rho_t
+    assert torch.equal(importance_weights(old, rollout, mask, gate(kind, threshold)), out.weights)
     nonempty = [m for b, m in enumerate(means) if mask[b].any()]
     assert out.metrics[f"is/seq_{kind}_mean"] == pytest.approx(sum(nonempty) / len(nonempty))
     assert out.metrics[f"is/seq_{kind}_max"] == pytest.approx(max(nonempty))

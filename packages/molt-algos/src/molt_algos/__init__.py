@@ -29,6 +29,7 @@ from molt_algos.correction import (
     IS_MODES,
     Correction,
     importance_correction,
+    importance_weights,
     sampled_token_divergence,
     validate_is_correction,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "aggregate",
     "compute_advantages",
     "importance_correction",
+    "importance_weights",
     "kl_controller",
     "kl_estimate",
     "logprobs_from_logits",

@@ -18,7 +18,7 @@ Formula and caveats: docs/algorithms.md.
 import torch
 from torch import Tensor
 
-from molt_algos.masked import masked_mean, to_floats
+from molt_algos.masked import masked_mean
 
 # The metrics `score_centering` returns (a trainer reports them on every rank, 0 where it had
 # nothing to centre, so that distributed reductions see the same keys everywhere).
@@ -31,7 +31,7 @@ def score_centering(
     head_logprobs: Tensor,
     sampler_head_logprobs: Tensor,
     mask: Tensor,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """`per_token` [B, T]: the policy loss (IS weights included), a function of `logprobs`
     [B, T], the policy's log-probs of the sampled tokens. `head_logprobs` [B, T, K]: the
     policy's log-probs of the sampler's top-K tokens at each position (differentiable);
@@ -57,10 +57,8 @@ def score_centering(
     # Value 0, gradient c_t * sum_j mu~(j) d log pi(j): the loss reads as before.
     term = torch.where(has_head, coef * (expected - expected.detach()), torch.zeros_like(expected))
     mass = torch.where(present, sampler.exp(), torch.zeros_like(sampler)).sum(-1)
-    metrics = to_floats(
-        {
-            "loss/centering_head_mass": masked_mean(mass, has_head),
-            "loss/centering_coef_mean": masked_mean(coef.abs(), mask),
-        }
-    )
+    metrics = {  # scalar tensors, read with the step's other metrics (losses.PolicyLoss)
+        "loss/centering_head_mass": masked_mean(mass, has_head),
+        "loss/centering_coef_mean": masked_mean(coef.abs(), mask),
+    }
     return per_token + term, metrics

@@ -88,6 +88,16 @@ def validate_is_correction(cfg: AdvantageConfig) -> None:
         )
 
 
+def importance_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cfg: AdvantageConfig
+) -> Tensor:
+    """The per-token weights of `importance_correction` alone, for a trainer's loss: no
+    metrics, so nothing is read back to the host in the middle of a step."""
+    validate_is_correction(cfg)
+    log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
+    return _weights(log_rho, old_logprobs, rollout_logprobs, mask, cfg)[0]
+
+
 def importance_correction(
     old_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -104,15 +114,45 @@ def importance_correction(
     alone; all masked tokens when None; NaN when there are none); `is/filter_ratio` (fraction
     of masked tokens dropped); `is/ratio_min/mean/max` (rho_t over masked tokens, unclipped)."""
     validate_is_correction(cfg)
-    level, mode = cfg.is_correction_level, cfg.is_correction_mode
     log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
+    rho = log_rho.exp()
+    weights, keep, row_mean = _weights(log_rho, old_logprobs, rollout_logprobs, mask, cfg)
+    gate_metrics: dict[str, Tensor] = {}
+    if row_mean is not None:
+        rows = mask.any(-1)
+        name = cfg.is_correction_gating
+        gate_metrics = {
+            f"is/seq_{name}_mean": masked_mean(row_mean, rows),
+            f"is/seq_{name}_max": masked_min_max(row_mean, rows)[1],
+        }
+    ratio_min, ratio_max = masked_min_max(rho, mask)
+    dropped = masked_sum((mask & ~keep).float(), mask) / mask.sum().clamp(min=1)
+    current = mask if version_match is None else mask & version_match
+    mismatch = masked_mean(-log_rho, current) if current.any() else math.nan
+    metrics = to_floats(
+        {
+            "is/vllm_kl": mismatch,
+            "is/off_policy_kl": masked_mean(-log_rho, mask),
+            "is/filter_ratio": dropped,
+            "is/ratio_min": ratio_min,
+            "is/ratio_mean": masked_mean(rho, mask),
+            "is/ratio_max": ratio_max,
+            **gate_metrics,
+        }
+    )
+    return Correction(weights, keep, metrics)
+
+
+def _weights(
+    log_rho: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+    cfg: AdvantageConfig,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """(weights, kept mask, the rows' mean divergence where the sequence gate uses one)."""
+    level, mode = cfg.is_correction_level, cfg.is_correction_mode
     rho = log_rho.exp()
     high = cfg.is_correction_threshold
     low = 1.0 / high
-
-    keep = mask
-    weights = rho
-    gate_metrics: dict[str, Tensor] = {}
+    keep, weights, row_mean = mask, rho, None
     if level == "off":
         weights = torch.ones_like(rho)
     elif level == "token" and mode == "mask":
@@ -133,31 +173,7 @@ def importance_correction(
         )
         row_mean = _row_means(divergence, mask)
         keep = mask & (row_mean <= cfg.is_correction_threshold)[:, None]
-        rows = mask.any(-1)
-        _, gate_high = masked_min_max(row_mean, rows)
-        name = cfg.is_correction_gating
-        gate_metrics = {
-            f"is/seq_{name}_mean": masked_mean(row_mean, rows),
-            f"is/seq_{name}_max": gate_high,
-        }
-
-    weights = torch.where(keep, weights, torch.zeros_like(weights))
-    ratio_min, ratio_max = masked_min_max(rho, mask)
-    dropped = masked_sum((mask & ~keep).float(), mask) / mask.sum().clamp(min=1)
-    current = mask if version_match is None else mask & version_match
-    mismatch = masked_mean(-log_rho, current) if current.any() else math.nan
-    metrics = to_floats(
-        {
-            "is/vllm_kl": mismatch,
-            "is/off_policy_kl": masked_mean(-log_rho, mask),
-            "is/filter_ratio": dropped,
-            "is/ratio_min": ratio_min,
-            "is/ratio_mean": masked_mean(rho, mask),
-            "is/ratio_max": ratio_max,
-            **gate_metrics,
-        }
-    )
-    return Correction(weights, keep, metrics)
+    return torch.where(keep, weights, torch.zeros_like(weights)), keep, row_mean
 
 
 def sampled_token_divergence(

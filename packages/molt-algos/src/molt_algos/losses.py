@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from molt_algos.masked import LOG_RATIO_LIMIT, masked_mean, safe_log_ratio, to_floats
+from molt_algos.masked import LOG_RATIO_LIMIT, masked_mean, safe_log_ratio
 
 
 @dataclass
@@ -28,7 +28,9 @@ class LossConfig:
 @dataclass
 class PolicyLoss:
     per_token: Tensor  # [B, T], 0 outside the mask
-    metrics: dict[str, float]
+    # Scalar tensors on the loss's device: a trainer reads a whole step's at once
+    # (masked.to_floats); a read here would make the host wait for the GPU mid-step.
+    metrics: dict[str, Tensor]
 
 
 def validate_loss_config(name: str, cfg: LossConfig) -> None:
@@ -48,7 +50,7 @@ def _zero_outside(values: Tensor, mask: Tensor) -> Tensor:
 
 def _ratio_metrics(
     log_ratio: Tensor, mask: Tensor, clipped: Tensor, **extra: Tensor
-) -> dict[str, float]:
+) -> dict[str, Tensor]:
     ratio = log_ratio.exp()
     metrics = {
         "loss/clip_frac": masked_mean(clipped.float(), mask),
@@ -57,7 +59,7 @@ def _ratio_metrics(
         "loss/approx_kl": masked_mean(ratio - 1 - log_ratio, mask),
     }
     metrics.update({f"loss/{k}": v for k, v in extra.items()})
-    return to_floats(metrics)
+    return metrics
 
 
 def ppo(
@@ -143,11 +145,9 @@ def value_loss(
         clipped_frac = masked_mean((clipped_loss > loss).float(), mask)
         loss = torch.maximum(loss, clipped_loss)
     loss = _zero_outside(0.5 * loss, mask)
-    metrics = to_floats(
-        {
-            "value/clip_frac": clipped_frac,
-            "value/error_mean": masked_mean((values - returns).abs(), mask),
-            "value/mean": masked_mean(values, mask),
-        }
-    )
+    metrics = {
+        "value/clip_frac": clipped_frac,
+        "value/error_mean": masked_mean((values - returns).abs(), mask),
+        "value/mean": masked_mean(values, mask),
+    }
     return PolicyLoss(loss, metrics)

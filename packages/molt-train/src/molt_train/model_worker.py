@@ -25,7 +25,7 @@ from molt_algos import (
     POLICY_LOSSES,
     AggregationWindow,
     aggregate,
-    importance_correction,
+    importance_weights,
     kl_estimate,
     score_centering,
     value_loss,
@@ -428,6 +428,10 @@ class ModelWorker(WeightsOut):
             ep_axis_name="ep" if moe_mesh is not None else None,
             dp_group_size=self.dp_cp_size,
             expert_tp_replication_factor=get_expert_tp_replication_factor([self.model], mesh),
+            # Plain tensors (a world of one): PyTorch's foreach norm. AutoModel's Triton norm
+            # copies its tensor lists to the GPU from pageable memory, each copy a host wait
+            # between the backward and the optimizer's launches (docs/benchmarks.md, after-8).
+            use_torch_clip_grad_norm=True,
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step is taken with
         self.optimizer.step()
@@ -473,7 +477,7 @@ class ModelWorker(WeightsOut):
             # trained from, so its detached log-probs are pi_old exactly and the IS weights
             # come from them, as the driver would compute them after a separate forward
             # (molt_train.experience.reuses_training_forward says when).
-            weights = importance_correction(old, rollout, mask, algo.advantage).weights
+            weights = importance_weights(old, rollout, mask, algo.advantage)
         if sft:  # supervised: the negative log-likelihood of trained tokens
             per_token, metrics = torch.where(mask, -logprobs, torch.zeros_like(logprobs)), {}
         else:
