@@ -1,11 +1,14 @@
 """ModelWorker methods on CPU without a process group or Ray: the refit/export gather, the
-log-prob inputs under autocast, and the entropy term of the policy loss."""
+log-prob inputs under autocast, the entropy term of the policy loss, and a microbatch's loss
+reading nothing back to the host."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import molt_algos.logprobs as logprobs_module
 import molt_train.token_stats as token_stats
+from molt_algos import AggregationWindow, aggregate
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.config import AlgoConfig
 from molt_train.model_worker import ModelWorker
@@ -116,3 +119,51 @@ def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, 
     loss.backward()
     assert (grads_of_entropy[0] is None) == (entropy_coef == 0)
     assert stats["loss/entropy"] > 0
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that need a tensor's value on the host: on a GPU each waits for its queue."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero"):
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+def test_a_microbatch_loss_reads_nothing_back_to_the_host(tmp_path, monkeypatch, policy_loss):
+    """Between a microbatch's forward and the end of its backward nothing is read back (item,
+    tolist, nonzero): each read would make a GPU step wait mid-step (docs/benchmarks.md,
+    after-8). Covered: every policy loss's metrics, the one-step path's IS weights (rollout
+    log-probs, no old ones) and score centering; the step reads all metrics once, after the
+    optimizer. (The forward is run before: on CPU transformers' SDPA path checks the position
+    ids for packing on the host; the GPU's document attention skips that check.)"""
+    model = load(tmp_path)
+    worker = worker_over(model)
+    parts = samples(model.config.vocab_size)
+    for sample in parts:
+        sample.rollout_logprobs = [-1.0] * len(sample.token_ids)
+        sample.head_ids = [[1, 2]] * len(sample.token_ids)
+        sample.head_logprobs = [[-0.5, -1.5]] * len(sample.token_ids)
+    batch = pack(parts)
+    algo = AlgoConfig(aggregation="token-mean", policy_loss=policy_loss, score_centering=True,
+                      entropy_coef=0.01)  # fmt: skip
+
+    def reduce(per_token, mask, loss):
+        return aggregate(per_token, mask, "token-mean", window=AggregationWindow())
+
+    forward = worker._token_stats(batch, True, batch.head_ids)
+    monkeypatch.setattr(worker, "_token_stats", lambda *args: forward)
+    listed = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: listed.append(1) or original(t))
+    with HostReads() as reads:
+        loss, totals, stats, _ = worker._policy_loss(batch, reduce, algo, sft=False)
+        loss.backward()
+    assert reads.seen == [] and listed == []
+    assert "loss/centering_head_mass" in stats and "loss/clip_frac" in stats
+    assert all(torch.is_tensor(v) for v in stats.values())
