@@ -460,7 +460,7 @@ class ModelWorker(WeightsOut):
         reduce,
         algo: AlgoConfig,
         sft: bool,
-    ) -> tuple[Tensor, dict[str, float], dict[str, float], Tensor]:
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor | float], Tensor]:
         """(loss to backpropagate, summed stats, per-token-mean stats, the old-policy log-probs
         it used) of one microbatch: the policy loss weighted by the IS weights, minus the
         entropy bonus, plus the KL penalty."""
@@ -518,7 +518,7 @@ class ModelWorker(WeightsOut):
 
     def _value_loss(
         self, batch: PackedBatch, reduce, value_clip: float | None
-    ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor | float]]:
         """The critic's clipped value loss of one microbatch, with the same three outputs."""
         values = self._token_stats(batch, with_entropy=False).logprobs
         old = batch.fields["old_values"]
