@@ -93,9 +93,7 @@ def importance_weights(
 ) -> Tensor:
     """The per-token weights of `importance_correction` alone, for a trainer's loss: no
     metrics, so nothing is read back to the host in the middle of a step."""
-    validate_is_correction(cfg)
-    log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
-    return _weights(log_rho, old_logprobs, rollout_logprobs, mask, cfg)[0]
+    return _weights(old_logprobs, rollout_logprobs, mask, cfg)[0]
 
 
 def importance_correction(
@@ -113,10 +111,8 @@ def importance_correction(
     the tokens of `version_match` (sampled by exactly the weights being trained: the mismatch
     alone; all masked tokens when None; NaN when there are none); `is/filter_ratio` (fraction
     of masked tokens dropped); `is/ratio_min/mean/max` (rho_t over masked tokens, unclipped)."""
-    validate_is_correction(cfg)
-    log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
+    weights, keep, log_rho, row_mean = _weights(old_logprobs, rollout_logprobs, mask, cfg)
     rho = log_rho.exp()
-    weights, keep, row_mean = _weights(log_rho, old_logprobs, rollout_logprobs, mask, cfg)
     gate_metrics: dict[str, Tensor] = {}
     if row_mean is not None:
         rows = mask.any(-1)
@@ -144,11 +140,13 @@ def importance_correction(
 
 
 def _weights(
-    log_rho: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
-    cfg: AdvantageConfig,
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """(weights, kept mask, the rows' mean divergence where the sequence gate uses one)."""
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cfg: AdvantageConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(weights, kept mask, log rho, the rows' mean divergence where the sequence gate uses
+    one)."""
+    validate_is_correction(cfg)
     level, mode = cfg.is_correction_level, cfg.is_correction_mode
+    log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
     rho = log_rho.exp()
     high = cfg.is_correction_threshold
     low = 1.0 / high
@@ -173,7 +171,7 @@ def _weights(
         )
         row_mean = _row_means(divergence, mask)
         keep = mask & (row_mean <= cfg.is_correction_threshold)[:, None]
-    return torch.where(keep, weights, torch.zeros_like(weights)), keep, row_mean
+    return torch.where(keep, weights, torch.zeros_like(weights)), keep, log_rho, row_mean
 
 
 def sampled_token_divergence(
