@@ -28,8 +28,8 @@ class LossConfig:
 @dataclass
 class PolicyLoss:
     per_token: Tensor  # [B, T], 0 outside the mask
-    # Scalar tensors on the loss's device: a trainer reads a whole step's at once
-    # (masked.to_floats); a read here would make the host wait for the GPU mid-step.
+    # Scalar tensors on the loss's device: a trainer reads a whole step's at once (e.g. with
+    # masked.to_floats); a read here would make the host wait for the GPU mid-step.
     metrics: dict[str, Tensor]
 
 
