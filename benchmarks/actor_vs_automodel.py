@@ -12,7 +12,10 @@ the gather section compares with a bare loop of `full_tensor()` calls):
     PYTHONPATH=packages/molt-algos/src:packages/molt-train/src:benchmarks:/tmp/site \\
       torchrun --nproc-per-node 1 benchmarks/actor_vs_automodel.py --model /tmp/q3
 
-(/tmp/site: AutoModel 0.7.0 and its wheels, from ../shared/gpu's `train` set.) A `--cpu` run on
+(/tmp/site: AutoModel 0.7.0 and its wheels, from ../shared/gpu's `train` set.) On a card that
+cannot hold both 1.7B models' steps (80 GB), `--resident one` runs every RL variant, frees that
+model, then builds the bare one for its variants on the same tokens, and joins the ratios; the
+flex and dtype sections need both models at once and are refused with it. A `--cpu` run on
 a tiny model (`--write-model DIR --cpu`) checks the script and the attention levers' CPU
 reference (SDPA per document) without a GPU.
 
@@ -299,6 +302,10 @@ def main() -> None:
         help="one: the RL model's runs, then the bare model's (one in memory at a time)",
     )
     args = p.parse_args()
+    sections = set(args.sections.split(","))
+    if args.resident == "one" and sections & {"flex", "dtype"}:
+        p.error("--resident one holds one model at a time; --sections flex and dtype compare "
+                "both in one process: leave them out of --sections")  # fmt: skip
     on_gpu = not args.cpu and torch.cuda.is_available()
     if args.write_model:
         write_model(args.write_model, on_gpu)
@@ -312,7 +319,6 @@ def main() -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")
-    sections = set(args.sections.split(","))
     register_attention()
     cfg = ActorConfig(model_path=args.model, num_workers=world, dtype="bf16",
                       max_tokens_per_microbatch=args.max_tokens_per_microbatch,
@@ -410,11 +416,10 @@ def run_phase(args, ctx, sections: set[str], on_gpu: bool) -> None:
         except Exception as error:
             say(f"profile FAILED: {error!r}"[:400])
         dump(args.out)
-    both = ctx["resident"] == {"rl", "bare"}
-    if "flex" in sections and on_gpu and both:
+    if "flex" in sections and on_gpu:  # both models resident (main refuses them otherwise)
         flex_lever(args, ctx)
         dump(args.out)
-    if "dtype" in sections and on_gpu and both:
+    if "dtype" in sections and on_gpu:
         try:
             fsdp_mp_levers(args, ctx, args.default_seq_len)
         except Exception as error:
