@@ -344,8 +344,10 @@ def main() -> None:
         if phase == {"rl"}:
             worker.model = worker.optimizer = worker.scheduler = None
             gc.collect()
-            torch.cuda.empty_cache() if on_gpu else None
-            left = torch.cuda.memory_allocated() / 2**30 if on_gpu else 0.0
+            left = 0.0
+            if on_gpu:
+                torch.cuda.empty_cache()
+                left = torch.cuda.memory_allocated() / 2**30
             say(f"RL model freed ({left:.2f} GiB still allocated)")
     summary(args)
     dump(args.out)

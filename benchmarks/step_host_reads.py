@@ -20,6 +20,7 @@ import os
 import sys
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,16 +45,20 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_tolist(on: list[bool]) -> None:
+@contextmanager
+def counting_tolist():
     """`.tolist()` copies without dispatching an op: count it at the method."""
     original = torch.Tensor.tolist
 
     def tolist(self):
-        if on[0]:
-            READS[("Tensor.tolist", caller())] += 1
+        READS[("Tensor.tolist", caller())] += 1
         return original(self)
 
     torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original
 
 
 def main() -> None:
@@ -84,11 +89,8 @@ def main() -> None:
     tokens = sum(s.num_trained for s in samples)
     sequences = sum(1 for s in samples if s.num_trained)
     worker.train_step(microbatches, tokens, sequences, rl_algo())  # warm-up
-    on = [True]
-    count_tolist(on)
-    with HostReads():
+    with HostReads(), counting_tolist():
         worker.train_step(microbatches, tokens, sequences, rl_algo())
-    on[0] = False
     print(f"host reads in one train_step ({len(microbatches)} microbatch, packed rows):")
     for (op, where), n in READS.most_common():
         print(f"{n:4d}  {op:28s} {where}")
