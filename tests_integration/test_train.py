@@ -18,14 +18,14 @@ import psutil
 import pytest
 import torch
 
-from molt_rollout.engine import CPU_SERVER
+from molt_rollout.engines.engine import CPU_SERVER
 
 # The README's quickstart settings with fewer steps and W&B off; each test adds its own flags.
 FAST = ["quickstart", "--logger.wandb_mode", "disabled", "--ckpt.export_hf", "False",
         "--eval.every_steps", "0"]  # fmt: skip
 
 
-# What every step logs (docs/logging.md), besides eval and drop counts on their steps.
+# What every step logs (docs/reference/metrics.md), besides eval and drop counts on their steps.
 STEP_METRICS = [
     "rollout/reward_mean", "rollout/reward_std", "rollout/group_reward_std_mean",
     "rollout/zero_std_groups", "rollout/response_length_mean", "rollout/truncated_rate",
@@ -55,11 +55,11 @@ def mean(values) -> float:
 
 
 # LoRA (rank 8 on every projection) at temperature 0.25: with the LM head and final norm frozen
-# the tiny model's logits stay within about ±3, too flat to learn at temperature 1
-# (docs/benchmarks.md). The chat form runs it with the merged refit, the Env form with the
+# the tiny model's logits stay within about ±3, too flat to learn at temperature 1.
+# The chat form runs it with the merged refit, the Env form with the
 # adapter refit (vLLM's LoRA serving the adapters). At the quickstart's lr 5e-3 a late update
 # could move the policy 0.2-0.7 nats and dip the last steps' reward; 3e-3 learns as fast
-# without (docs/benchmarks.md, "The LoRA-adapter quickstart's late dips").
+# without.
 LORA = ["--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--rollout.temperature", "0.25",
         "--eval.temperature", "0.25", "--actor.optim.lr", "3e-3"]  # fmt: skip
 

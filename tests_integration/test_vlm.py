@@ -15,7 +15,7 @@ from molt_train.quickstart.colours import write_data
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> dict[str, str]:
-    from molt_rollout.tiny_vlm import build_tiny_vlm
+    from molt_rollout.engines.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("vlm-task")
     return {"model": str(build_tiny_vlm(root / "tiny-idefics3")),

@@ -1,5 +1,5 @@
-"""GPU tests: vLLM CUDA engines beside a trainer on the same GPU. Skipped without CUDA; on the
-H200 they run after the GPU kit's install call (docs/development.md, "GPU tests")."""
+"""GPU tests: vLLM CUDA engines beside a trainer on the same GPU. Skipped without CUDA; how to run
+them on a CUDA machine: docs/development.md."""
 
 import pytest
 import torch

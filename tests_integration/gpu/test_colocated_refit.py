@@ -1,6 +1,6 @@
 """One vLLM CUDA engine and a trainer process on one GPU (`--train.colocate`): weights move
-through a staging buffer shared by CUDA-IPC handle (molt_ipc: molt_rollout.refit.IpcTransport,
-molt_rollout.ipc_transport), versions label tokens on every vLLM."""
+through a staging buffer shared by CUDA-IPC handle (molt_ipc: molt_rollout.refit.control.IpcTransport,
+molt_rollout.refit.ipc_transport), versions label tokens on every vLLM."""
 
 import asyncio
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from molt_capture.types import SamplingParams
-from molt_rollout.agent import Env, EnvState, Result
-from molt_rollout.client import GENERATE_PATH
+from molt_rollout.agents.agent import Env, EnvState, Result
+from molt_rollout.engines.client import GENERATE_PATH
 
 pytestmark = pytest.mark.gpu
 PROMPT = list(range(10, 74))
@@ -23,8 +23,8 @@ def colocated(gpu_ray, tiny_model, tmp_path_factory):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-    from molt_rollout.engine import gpu_bundles
-    from molt_rollout.service import RolloutService
+    from molt_rollout.engines.engine import gpu_bundles
+    from molt_rollout.engines.service import RolloutService
 
     bundles = gpu_bundles(1)
     vllm = VLLMConfig(enforce_eager=True, gpu_memory_utilization=0.2, dtype="bfloat16",
@@ -54,7 +54,7 @@ class Trainer:
         from safetensors.torch import load_file
 
         from molt_rollout.config import RefitConfig
-        from molt_rollout.refit import Refitter
+        from molt_rollout.refit.control import Refitter
 
         self.model_path = model_path
         self.original = {k: v.cuda().bfloat16() for k, v in
@@ -190,8 +190,8 @@ def test_trained_ids_are_the_generated_ids(colocated):
     from transformers import PreTrainedTokenizerFast
 
     from molt_capture.testing import RecordingGenerator, assert_token_exact
+    from molt_rollout.agents.env_runner import EnvRunner
     from molt_rollout.config import RolloutConfig
-    from molt_rollout.env_runner import EnvRunner
     from molt_train.packing import Sample, pack
 
     service, trainer = colocated
@@ -219,7 +219,7 @@ def test_trained_ids_are_the_generated_ids(colocated):
     assert set(v for span in seg.turns for v in seg.weight_versions[span.start : span.end]) == {30}
 
     batch = pack([Sample(token_ids=seg.token_ids, loss_mask=seg.trainable)])
-    trained = batch.input_ids[0][batch.loss_mask[0]].tolist()
+    trained = batch.input_ids[0][batch.inputs.mask[0]].tolist()
     assert trained == [t for call in calls for t in call.generation.token_ids]
     # The trainer's view of the same row: its log-probs on the trained ids are the engine's.
     ids = batch.input_ids[0].tolist()

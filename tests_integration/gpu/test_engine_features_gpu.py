@@ -6,7 +6,7 @@ import httpx
 import pytest
 from test_quickstart_gpu import quickstart
 
-from molt_rollout.client import GENERATE_PATH
+from molt_rollout.engines.client import GENERATE_PATH
 
 pytestmark = pytest.mark.gpu
 PROMPT = list(range(10, 74))
@@ -14,8 +14,8 @@ PROMPT = list(range(10, 74))
 
 def test_cuda_graphs_and_prefix_caching_generate(gpu_ray, tiny_model, tmp_path):
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
-    from molt_rollout.refit import EngineControl
-    from molt_rollout.service import RolloutService
+    from molt_rollout.engines.service import RolloutService
+    from molt_rollout.refit.control import EngineControl
 
     vllm = VLLMConfig(enforce_eager=False, enable_prefix_caching=True, dtype="bfloat16",
                       gpu_memory_utilization=0.2, max_model_len=2048, startup_timeout_s=500)  # fmt: skip
@@ -40,7 +40,7 @@ def test_cuda_graphs_and_prefix_caching_generate(gpu_ray, tiny_model, tmp_path):
 
 
 def run_moe(tmp_path, name: str, *flags: str) -> list[dict]:
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "moe", moe=True)
     return quickstart(tmp_path / name, "--actor.model_path", str(model),

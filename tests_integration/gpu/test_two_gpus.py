@@ -1,4 +1,4 @@
-"""Two GPUs (issue 20; the `nvidia-h200-x2` kind): the NCCL refit into an engine on the other
+"""Two GPUs: the NCCL refit into an engine on the other
 GPU through `molt-train`, and context parallelism's log-probs against one GPU holding whole
 rows. Skipped with fewer than two CUDA devices."""
 
@@ -60,7 +60,7 @@ def smoke_logprobs(tmp_path, tiny_model: str, gpus: int, cp: int, dtype: str) ->
 def test_context_parallel_logprobs_equal_one_gpu(tmp_path, dtype, tolerance):
     """--cp 2 over two GPUs against one GPU holding whole rows: in fp32 (SDPA piece by piece)
     to float noise; in bf16 (varlen FlashAttention, bottom-right causal) to bf16 noise."""
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(tmp_path / "tiny"))
     one = smoke_logprobs(tmp_path, model, 1, 1, dtype)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_tiny_vlm_learns_colocated(tmp_path):
-    from molt_rollout.tiny_vlm import build_tiny_vlm
+    from molt_rollout.engines.tiny_vlm import build_tiny_vlm
 
     model, data = build_tiny_vlm(tmp_path / "tiny-idefics3"), write_data(tmp_path / "data")
     # On-policy, so every step's 128 tokens are at version match: asynchronously a step can hold

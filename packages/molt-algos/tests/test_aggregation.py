@@ -75,7 +75,7 @@ def grad_of(fn, weight):
 @pytest.mark.parametrize("seed", range(4))
 def test_full_batch_matches_loop_reference(mode, seed):
     features, mask, weight, groups = make_problem(seed, rows=6 + seed, groups=1 + seed)
-    local = AggregationWindow(group_ids=groups)
+    local = AggregationWindow(**window_of(mask, groups))
     got = aggregate(per_token_loss(weight, features), mask, mode, window=local)
     want = reference(per_token_loss(weight, features), mask, groups, mode)
     torch.testing.assert_close(got, want)
@@ -112,13 +112,13 @@ def test_accumulation_and_dp_split_match_the_reference(mode, dp_size, microbatch
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_plain_counts_still_serve_the_token_and_sequence_modes():
-    features, mask, weight, _ = make_problem(seed=5)
+def test_counts_left_none_are_the_calls_own():
+    features, mask, weight, groups = make_problem(seed=5)
     values = per_token_loss(weight, features)
-    n, s = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    counts = window_of(mask, groups)
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        window = AggregationWindow(num_tokens=n, num_sequences=s)
-        assert aggregate(values, mask, mode, n, s) == aggregate(values, mask, mode, window=window)
+        window = AggregationWindow(counts["num_tokens"], counts["num_sequences"])
+        assert aggregate(values, mask, mode) == aggregate(values, mask, mode, window=window)
 
 
 def test_local_mean_per_microbatch_would_differ():
@@ -132,7 +132,7 @@ def test_local_mean_per_microbatch_would_differ():
 def test_modes_on_a_known_example():
     values = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [6.0, 6.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    groups = AggregationWindow(group_ids=torch.tensor([0, 0, 1]))
+    groups = AggregationWindow(**window_of(mask, torch.tensor([0, 0, 1])))
     assert aggregate(values, mask, "token-mean").item() == pytest.approx(24 / 6)
     assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 2 + 6) / 3)
     assert aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx(24 / 3)
@@ -144,7 +144,7 @@ def test_modes_on_a_known_example():
 def test_prompt_mean_is_seq_mean_with_one_sample_per_prompt():
     features, mask, weight, _ = make_problem(seed=7)
     values = per_token_loss(weight, features)
-    singletons = AggregationWindow(group_ids=torch.arange(len(values)))
+    singletons = AggregationWindow(**window_of(mask, torch.arange(len(values))))
     got = aggregate(values, mask, "prompt-mean-token-mean", window=singletons)
     torch.testing.assert_close(got, aggregate(values, mask, "seq-mean-token-mean"))
 
@@ -152,15 +152,17 @@ def test_prompt_mean_is_seq_mean_with_one_sample_per_prompt():
 def test_a_group_with_no_trained_token_is_not_counted():
     values = torch.tensor([[4.0, 4.0], [9.0, 9.0]])
     mask = torch.tensor([[1, 1], [0, 0]], dtype=torch.bool)
-    window = AggregationWindow(group_ids=torch.tensor([0, 1]))
+    window = AggregationWindow(**window_of(mask, torch.tensor([0, 1])))
     assert aggregate(values, mask, "prompt-mean-token-mean", window=window).item() == 4.0
 
 
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
 def test_empty_mask_gives_zero_without_nan(mode):
     values = torch.full((2, 3), float("nan"), requires_grad=True)
-    window = AggregationWindow(group_ids=torch.tensor([0, 1]))
-    out = aggregate(values, torch.zeros(2, 3, dtype=torch.bool), mode, window=window)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    out = aggregate(
+        values, mask, mode, window=AggregationWindow(**window_of(mask, torch.arange(2)))
+    )
     out.backward()
     assert out.item() == 0.0 and torch.all(values.grad == 0)
 
@@ -169,10 +171,8 @@ def test_unknown_mode_and_missing_counts():
     one = torch.ones(1, 1, dtype=torch.bool)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate(torch.zeros(1, 1), one, "mean")
-    with pytest.raises(ValueError, match="prompt group"):
+    with pytest.raises(ValueError, match="group_tokens and num_groups"):
         aggregate(torch.zeros(1, 1), one, "prompt-mean-token-mean")
-    with pytest.raises(ValueError, match="num_groups"):
+    with pytest.raises(ValueError, match="group_tokens and num_groups"):
         window = AggregationWindow(group_tokens=torch.ones(1))
         aggregate(torch.zeros(1, 1), one, "prompt-mean-token-mean", window=window)
-    with pytest.raises(ValueError, match="either"):
-        aggregate(torch.zeros(1, 1), one, "token-mean", 1, window=AggregationWindow())

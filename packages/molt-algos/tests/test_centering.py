@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from molt_algos import CENTERING_METRICS, LossConfig, aggregate, score_centering
-from molt_algos.losses import POLICY_LOSSES
+from molt_algos.aggregation import aggregate
+from molt_algos.centering import CENTERING_METRICS, score_centering
+from molt_algos.losses import POLICY_LOSSES, LossConfig
 
 V, K = 11, 4
 

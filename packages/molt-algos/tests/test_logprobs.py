@@ -265,7 +265,7 @@ def test_invalid_arguments_raise():
 
 
 def test_backward_slices_are_aligned():
-    # The 8K microbatches of docs/benchmarks.md: ceil(1024 V / T) is 18,995 columns at T = 8191.
+    # 8K-token microbatches (docs/performance.md): ceil(1024 V / T) is 18,995 columns at T = 8191.
     assert _slice_width(1024, 151936, 8191) == 19000
     assert _slice_width(1024, 151936, 8192) == 18992  # already a multiple of 8
     assert _slice_width(5, 37, 13) == 16  # 15 rounded up

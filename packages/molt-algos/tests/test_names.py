@@ -2,16 +2,10 @@
 
 from typing import get_args
 
-from molt_algos import (
-    ADVANTAGE_ESTIMATORS,
-    AGGREGATIONS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
-    AggregationName,
-    EstimatorName,
-    KLConfig,
-    PolicyLossName,
-)
+from molt_algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorName
+from molt_algos.aggregation import AGGREGATIONS, AggregationName
+from molt_algos.kl import KL_ESTIMATORS, KLConfig
+from molt_algos.losses import POLICY_LOSSES, PolicyLossName
 
 
 def test_literal_names_equal_the_registries():

@@ -14,7 +14,7 @@ from molt_algos.shaping import (
 
 
 def ref_shape(reward, length, truncated, cfg):
-    """One rollout, the rules as written in docs/algorithms.md."""
+    """One rollout, the rules as written in docs/concepts/algorithms.md."""
     coef = cfg.stop_properly_penalty_coef
     if coef is not None and truncated:
         reward = reward * coef if coef >= 0 else coef
@@ -59,7 +59,8 @@ def test_shaping_matches_the_reference(cfg, seed):
 
 def test_overlong_penalty_ramp():
     lengths = torch.tensor([0, 8, 12, 13, 14, 16, 17, 100])
-    got = overlong_penalty(lengths, max_len=16, buffer_len=4, factor=2.0)
+    cfg = RewardConfig(overlong_buffer_len=4, overlong_penalty_factor=2.0, max_response_len=16)
+    got = overlong_penalty(lengths, cfg)
     torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.5, -1.0, -2.0, -2.0, -2.0]))
 
 

@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from safetensors.torch import load_file, save_file
 
-from molt_rollout.adapters import AdapterRefitter, AdapterServing
 from molt_rollout.config import RefitConfig
-from molt_rollout.refit import RefitError
+from molt_rollout.refit.adapters import AdapterRefitter, AdapterServing
+from molt_rollout.refit.control import RefitError
 
 
 class FakeLoRAEngine:
@@ -89,8 +89,10 @@ def write(tmp_path: Path, version: int) -> str:
     """A PEFT-shaped adapter directory whose B holds `version + 1` everywhere."""
     path = tmp_path / f"v{version}"
     path.mkdir()
-    tensors = {"base_model.model.x.lora_A.weight": torch.ones(2, 3),
-               "base_model.model.x.lora_B.weight": torch.full((4, 2), version + 1.0)}  # fmt: skip
+    tensors = {
+        "base_model.model.x.lora_A.weight": torch.ones(2, 3),
+        "base_model.model.x.lora_B.weight": torch.full((4, 2), version + 1.0),
+    }
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text('{"r": 2}')
     return str(path)
@@ -134,8 +136,10 @@ def test_the_window_keeps_the_newest_adapters_and_retires_the_rest(engines, tmp_
         files = tmp_path / f"v{version}"
         assert (files / "adapter_model.safetensors").stat().st_ino == retired.stat().st_ino
         assert (files / "adapter_config.json").read_text() == '{"r": 2}'
-        assert sorted(p.name for p in files.iterdir()) == ["adapter_config.json",
-                                                            "adapter_model.safetensors"]  # fmt: skip
+        assert sorted(p.name for p in files.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
     kept = load_file(tmp_path / "v3" / "adapter_model.safetensors")
     assert torch.equal(kept["base_model.model.x.lora_B.weight"], torch.full((4, 2), 4.0))
     # A version leaves only after its successor is served: v1 is unloaded after "version 3".

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
-from molt_rollout.agent import (
+from molt_rollout.agents.agent import (
     ChatContext,
     Dropped,
     Result,
@@ -23,14 +23,14 @@ from molt_rollout.agent import (
     row_messages,
     within_deadline,
 )
-from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.agents.chat_runner import ChatRunner
+from molt_rollout.agents.env_runner import EnvRunner
+from molt_rollout.agents.loader import AgentLoadError, load_agent
 from molt_rollout.config import RolloutConfig
-from molt_rollout.env_runner import EnvRunner
-from molt_rollout.loader import AgentLoadError, load_agent
 
 ENV_AGENT = """
-from molt_rollout.agent import Env, Result
-from molt_rollout.env_runner import EnvRunner
+from molt_rollout.agents.agent import Env, Result
+from molt_rollout.agents.env_runner import EnvRunner
 
 class MyEnv(Env):
     async def step(self, state):
@@ -41,8 +41,8 @@ class AgentRunner(EnvRunner):
 """
 
 CHAT_AGENT = """
-from molt_rollout.agent import ChatAgent, Result
-from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.agents.agent import ChatAgent, Result
+from molt_rollout.agents.chat_runner import ChatRunner
 
 class MyAgent(ChatAgent):
     async def run(self, ctx):
@@ -108,14 +108,16 @@ def test_agent_runner_of_the_wrong_kind(tmp_path):
 
 
 def test_env_class_missing(tmp_path):
-    source = "from molt_rollout.env_runner import EnvRunner\nclass AgentRunner(EnvRunner): pass\n"
+    source = (
+        "from molt_rollout.agents.env_runner import EnvRunner\nclass AgentRunner(EnvRunner): pass\n"
+    )
     message = load_error(tmp_path, source)
     assert "AgentRunner.env_class must be set to your Env class, got None" in message
 
 
 def test_env_without_step_and_with_sync_reset(tmp_path):
     source = """
-    from molt_rollout.env_runner import EnvRunner
+    from molt_rollout.agents.env_runner import EnvRunner
 
     class MyEnv:
         def reset(self, state):
@@ -131,8 +133,8 @@ def test_env_without_step_and_with_sync_reset(tmp_path):
 
 def test_env_subclass_not_overriding_step(tmp_path):
     source = """
-    from molt_rollout.agent import Env
-    from molt_rollout.env_runner import EnvRunner
+    from molt_rollout.agents.agent import Env
+    from molt_rollout.agents.env_runner import EnvRunner
 
     class MyEnv(Env):
         pass
@@ -146,8 +148,8 @@ def test_env_subclass_not_overriding_step(tmp_path):
 
 def test_chat_agent_with_sync_run(tmp_path):
     source = """
-    from molt_rollout.agent import ChatAgent
-    from molt_rollout.chat_runner import ChatRunner
+    from molt_rollout.agents.agent import ChatAgent
+    from molt_rollout.agents.chat_runner import ChatRunner
 
     class MyAgent(ChatAgent):
         def run(self, ctx):
@@ -160,9 +162,7 @@ def test_chat_agent_with_sync_run(tmp_path):
 
 
 def test_chat_agent_class_missing(tmp_path):
-    source = (
-        "from molt_rollout.chat_runner import ChatRunner\nclass AgentRunner(ChatRunner): pass\n"
-    )
+    source = "from molt_rollout.agents.chat_runner import ChatRunner\nclass AgentRunner(ChatRunner): pass\n"
     message = load_error(tmp_path, source)
     assert "AgentRunner.agent_class must be set to your ChatAgent class" in message
 
@@ -244,14 +244,14 @@ def test_within_deadline():
     assert e.value.reason == "deadline"
 
 
-# ---- docs/agents.md: every example file loads and earns its reward -------------------------
+# ---- docs/concepts/agents.md: every example file loads and earns its reward ----------------------
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "agents.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "concepts" / "agents.md"
 
 
 def doc_blocks() -> list[str]:
     if not DOCS.exists():  # the package tested on its own, outside the repository
-        pytest.skip("docs/agents.md is not next to this package")
+        pytest.skip("docs/concepts/agents.md is not next to this package")
     return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
 
 
@@ -283,7 +283,7 @@ DOC_ROW = {
 )
 def test_docs_examples_run(name, tmp_path, tokenizer):
     files = doc_files()
-    assert name in files, f"docs/agents.md has no example {name}"
+    assert name in files, f"docs/concepts/agents.md has no example {name}"
     runner_class = load_agent(write(tmp_path, files[name], name))
     replies = [tool_call_text("add", {"a": 17, "b": 25}), "The answer is 42."]
     gen = FakeGenerator(tokenizer, replies)

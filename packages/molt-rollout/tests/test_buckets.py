@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size, unpack
+from molt_rollout.refit.buckets import BucketMeta, iter_buckets, pack, packed_size, unpack
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_capture.types import Rollout
-from molt_rollout.agent import (
+from molt_rollout.agents.agent import (
     ChatAgent,
     ChatContext,
     Dropped,
@@ -23,9 +23,9 @@ from molt_rollout.agent import (
     Result,
     RolloutDropped,
 )
-from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.agents.chat_runner import ChatRunner
+from molt_rollout.agents.env_runner import EnvRunner
 from molt_rollout.config import RolloutConfig
-from molt_rollout.env_runner import EnvRunner
 
 # Tool schema keys deliberately out of the wire order: both forms must still agree.
 TOOL = {

@@ -13,7 +13,7 @@ import pytest
 
 from molt_capture.errors import ParamRejected
 from molt_capture.types import Generation, SamplingParams
-from molt_rollout.client import (
+from molt_rollout.engines.client import (
     GENERATE_PATH,
     MAX_VERSION_RACES,
     GenerationError,
@@ -473,16 +473,33 @@ def test_the_adapter_client_keeps_reading_the_version(engine):
 def test_parse_top_k_candidates():
     content = [
         # vLLM lists the sampled token first, then the top-k by rank (the sampled one again).
-        {"token_id": 17, "logprob": -0.25, "top_logprobs": [
-            {"token_id": 17, "logprob": -0.25, "rank": 1}, {"token_id": 17, "logprob": -0.25},
-            {"token_id": 3, "logprob": -2.0, "rank": 2}, {"token_id": 8, "logprob": -2.5}]},
+        {
+            "token_id": 17,
+            "logprob": -0.25,
+            "top_logprobs": [
+                {"token_id": 17, "logprob": -0.25, "rank": 1},
+                {"token_id": 17, "logprob": -0.25},
+                {"token_id": 3, "logprob": -2.0, "rank": 2},
+                {"token_id": 8, "logprob": -2.5},
+            ],
+        },
         # A sampled token outside the head: k + 1 entries, the k best are kept.
-        {"token_id": 4, "logprob": -4.0, "top_logprobs": [
-            {"token_id": 4, "logprob": -4.0, "rank": 9}, {"token_id": 5, "logprob": -0.1},
-            {"token_id": 6, "logprob": -1.0}, {"token_id": 7, "logprob": -3.0}]},
-    ]  # fmt: skip
-    reply = vllm_reply(token_ids=[17, 4], logprobs={"content": content},
-                       weight_versions=[{"version": "1", "start": 0, "end": 2}])  # fmt: skip
+        {
+            "token_id": 4,
+            "logprob": -4.0,
+            "top_logprobs": [
+                {"token_id": 4, "logprob": -4.0, "rank": 9},
+                {"token_id": 5, "logprob": -0.1},
+                {"token_id": 6, "logprob": -1.0},
+                {"token_id": 7, "logprob": -3.0},
+            ],
+        },
+    ]
+    reply = vllm_reply(
+        token_ids=[17, 4],
+        logprobs={"content": content},
+        weight_versions=[{"version": "1", "start": 0, "end": 2}],
+    )
     gen = parse_generation(reply, top_k=3)
     assert gen.top_ids == [[17, 3, 8], [5, 6, 7]]
     assert gen.top_logprobs == [[-0.25, -2.0, -2.5], [-0.1, -1.0, -3.0]]

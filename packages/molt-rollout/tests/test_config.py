@@ -6,25 +6,29 @@ import typing
 import pytest
 
 from molt_capture import PARSERS
-from molt_rollout.adapters import AdapterServing, engine_lora_rank
 from molt_rollout.config import (
     ParserName,
     RefitConfig,
     RolloutConfig,
     RouterConfig,
     VLLMConfig,
-    server_args,
     validate_engine_devices,
     validate_rollout_config,
 )
+from molt_rollout.engines.engine import server_args
+from molt_rollout.refit.adapters import AdapterServing, engine_lora_rank
 
 ROUTER_POLICIES = typing.get_args(typing.get_type_hints(RouterConfig)["policy"])
 WEIGHT_TRANSFER_BACKENDS = typing.get_args(typing.get_type_hints(RefitConfig)["backend"])
 
 
 def validate(vllm=None, router=None, refit=None, rollout=None) -> None:
-    validate_rollout_config(rollout or RolloutConfig(), vllm or VLLMConfig(),
-                            router or RouterConfig(), refit or RefitConfig())  # fmt: skip
+    validate_rollout_config(
+        rollout or RolloutConfig(),
+        vllm or VLLMConfig(),
+        router or RouterConfig(),
+        refit or RefitConfig(),
+    )
 
 
 def test_parser_names_are_molt_captures():
@@ -140,10 +144,20 @@ def test_rejects_with_message_naming_the_flags(vllm, router, refit, flags):
 
 @pytest.mark.parametrize(
     "changes",
-    [{"groups_per_batch": 0}, {"n_samples_per_prompt": 0}, {"max_len": 0}, {"max_tokens": 0},
-     {"temperature": 0.0}, {"top_p": 1.5}, {"deadline_s": 0.0}, {"num_runners": 0},
-     {"cpus_per_runner": -1.0}, {"startup_timeout_s": 0.0}, {"max_request_bytes": 0}],
-)  # fmt: skip
+    [
+        {"groups_per_batch": 0},
+        {"n_samples_per_prompt": 0},
+        {"max_len": 0},
+        {"max_tokens": 0},
+        {"temperature": 0.0},
+        {"top_p": 1.5},
+        {"deadline_s": 0.0},
+        {"num_runners": 0},
+        {"cpus_per_runner": -1.0},
+        {"startup_timeout_s": 0.0},
+        {"max_request_bytes": 0},
+    ],
+)
 def test_rollout_settings_name_their_flag(changes):
     with pytest.raises(ValueError, match=f"--rollout.{next(iter(changes))}"):
         validate(rollout=RolloutConfig(**changes))
@@ -296,7 +310,7 @@ def test_vllm_parses_the_command_line():
 
 @pytest.mark.parametrize(("num_engines", "per_gpu"), [(1, 1), (3, 1), (2, 2), (6, 2), (6, 3)])
 def test_engines_sharing_a_gpu_start_in_different_waves(num_engines, per_gpu):
-    from molt_rollout.engine import start_waves
+    from molt_rollout.engines.engine import start_waves
 
     waves = start_waves(num_engines, per_gpu)
     assert sorted(i for wave in waves for i in wave) == list(range(num_engines))

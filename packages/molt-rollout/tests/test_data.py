@@ -13,17 +13,17 @@ from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import ADD_TOOL, FakeGenerator
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
-from molt_rollout.agent import ChatAgent, Env, Result
-from molt_rollout.chat_runner import ChatRunner
-from molt_rollout.config import RolloutConfig
-from molt_rollout.data import (
+from molt_rollout.agents.agent import ChatAgent, Env, Result
+from molt_rollout.agents.chat_runner import ChatRunner
+from molt_rollout.agents.data import (
     DataConfig,
     PromptSource,
     load_eval_rows,
     load_rows,
     validate_data_config,
 )
-from molt_rollout.env_runner import EnvRunner
+from molt_rollout.agents.env_runner import EnvRunner
+from molt_rollout.config import RolloutConfig
 
 # Tool schema keys out of the wire order, as a dataset might store them.
 TOOL = {

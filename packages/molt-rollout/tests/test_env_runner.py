@@ -18,7 +18,7 @@ from molt_capture.testing import (
 )
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_capture.types import PROMPT_VERSION
-from molt_rollout.agent import (
+from molt_rollout.agents.agent import (
     Dropped,
     Env,
     EnvState,
@@ -26,8 +26,8 @@ from molt_rollout.agent import (
     RolloutDropped,
     row_messages,
 )
+from molt_rollout.agents.env_runner import EnvRunner
 from molt_rollout.config import RolloutConfig
-from molt_rollout.env_runner import EnvRunner
 
 ROW = {
     "prompt": [
@@ -141,8 +141,15 @@ def test_env_state_follows_the_conversation(tokenizer):
 
     class Recorder(Calculator):
         async def step(self, state):
-            seen.append((state.turn, state.finish_reason, [m["role"] for m in state.messages],
-                         state.rollout_id, state.group_id))  # fmt: skip
+            seen.append(
+                (
+                    state.turn,
+                    state.finish_reason,
+                    [m["role"] for m in state.messages],
+                    state.rollout_id,
+                    state.group_id,
+                )
+            )
             return await super().step(state)
 
     runner, _ = make_runner(tokenizer, Recorder, [CALL, "The answer is 3."])

@@ -10,9 +10,8 @@ from concurrent.futures import Future
 import pytest
 
 from molt_capture.types import Rollout
-from molt_rollout.agent import Dropped
-from molt_rollout.config import RolloutConfig
-from molt_rollout.eval import (
+from molt_rollout.agents.agent import Dropped
+from molt_rollout.agents.eval import (
     EvalConfig,
     eval_metrics,
     eval_rollout_config,
@@ -21,7 +20,8 @@ from molt_rollout.eval import (
     run_eval,
     validate_eval_config,
 )
-from molt_rollout.pool import GroupResult, PromptTask
+from molt_rollout.agents.pool import GroupResult, PromptTask
+from molt_rollout.config import RolloutConfig
 
 
 def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:

@@ -1,6 +1,6 @@
 """Molt's /pause (fast_pause.py): its reading of vLLM's query fields, on a stand-in engine
 client. The real engine answers through it in tests_integration/test_engines.py (CPU) and in
-every refit test, and on the H200 in tests_integration/gpu."""
+every refit test, and on a GPU in tests_integration/gpu."""
 
 import asyncio
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from molt_rollout.fast_pause import Pause
+from molt_rollout.refit.fast_pause import Pause
 
 
 def stand_in(engine_client) -> Starlette:
@@ -33,8 +33,10 @@ def engine_client(calls: list, multimodal: bool | None = None):
     async def clear_mm_cache_async():
         calls.append(("clear_mm_cache",))
 
-    client = SimpleNamespace(engine_core=SimpleNamespace(pause_scheduler_async=pause_scheduler_async),
-                             renderer=SimpleNamespace(clear_mm_cache_async=clear_mm_cache_async))  # fmt: skip
+    client = SimpleNamespace(
+        engine_core=SimpleNamespace(pause_scheduler_async=pause_scheduler_async),
+        renderer=SimpleNamespace(clear_mm_cache_async=clear_mm_cache_async),
+    )
     if multimodal is not None:
         client.model_config = SimpleNamespace(is_multimodal_model=multimodal)
     return client

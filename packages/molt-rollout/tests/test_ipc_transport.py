@@ -1,20 +1,22 @@
 """Molt's CUDA-IPC backend, the parts that need no GPU: which models take new weights in
-place, and the update message. The transfer itself runs on the H200:
-tests_integration/gpu/test_colocated_refit.py and benchmarks/refit_ipc.py."""
+place, and the update message. The transfer itself runs on a GPU:
+tests_integration/gpu/test_colocated_refit.py and benchmarks/refit_vs_vllm.py."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from molt_rollout.buckets import BucketMeta, iter_buckets, pack, packed_size, unpack
+from molt_rollout.refit.buckets import BucketMeta, iter_buckets, pack, packed_size, unpack
 
-ipc_transport = pytest.importorskip("molt_rollout.ipc_transport")
+ipc_transport = pytest.importorskip("molt_rollout.refit.ipc_transport")
 
 
 def vllm_config(quantization=None, cache_dtype="auto"):
-    return SimpleNamespace(model_config=SimpleNamespace(quantization=quantization),
-                           cache_config=SimpleNamespace(cache_dtype=cache_dtype))  # fmt: skip
+    return SimpleNamespace(
+        model_config=SimpleNamespace(quantization=quantization),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+    )
 
 
 class FusedMoE(torch.nn.Module):  # named as vLLM's: the check goes by class name
@@ -56,8 +58,10 @@ def test_an_update_names_the_buffer_after_the_bucket_layout():
 def test_buckets_packed_into_one_reused_buffer_unpack_exactly():
     """The trainer's staging buffer holds one bucket after another."""
     gen = torch.Generator().manual_seed(0)
-    tensors = [(f"t{i}", torch.randn(17 + i, 5, generator=gen).to(dtype))
-               for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16] * 3)]  # fmt: skip
+    tensors = [
+        (f"t{i}", torch.randn(17 + i, 5, generator=gen).to(dtype))
+        for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16] * 3)
+    ]
     staging = torch.full((4096,), 255, dtype=torch.uint8)
     for meta, bucket in iter_buckets(iter(tensors), bucket_bytes=600):
         assert packed_size(bucket) == meta.numbytes() <= staging.numel()
@@ -102,7 +106,7 @@ def engine(monkeypatch):
 
 def update(tensors: dict[str, torch.Tensor], buffers: dict, handle: str, slot: int = 0) -> dict:
     """What the trainer sends: the bucket packed into a buffer, named by handle and slot."""
-    (meta, bucket), = iter_buckets(iter(tensors.items()), bucket_bytes=1 << 20)  # fmt: skip
+    ((meta, bucket),) = iter_buckets(iter(tensors.items()), bucket_bytes=1 << 20)
     buffers.setdefault(handle, torch.zeros(4096, dtype=torch.uint8))
     pack(bucket, out=buffers[handle])
     return {**vars(meta), "buffer": {"handle": handle, "slot": slot}}
@@ -138,7 +142,7 @@ def test_a_moe_model_takes_copies_through_the_layerwise_reload(engine):
     eng.receive_weights(eng.parse_update_info(update({"w": torch.ones(3)}, buffers, "h")))
     eng.finish_weight_update()
     assert calls == ["start_weight_update", "finish_weight_update"]
-    (_, tensor), = model.loaded  # fmt: skip
+    ((_, tensor),) = model.loaded
     assert tensor.untyped_storage().data_ptr() != buffers["h"].untyped_storage().data_ptr()
 
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from molt_rollout import lifeline
+from molt_rollout.engines import lifeline
 
 # A "server" with a child of its own (like vLLM's engine core): prints both pids, then waits.
 SERVER = (
@@ -14,7 +14,7 @@ SERVER = (
     "print(c.pid, flush=True); time.sleep(120)"
 )
 OWNER = (
-    "import sys, time; from molt_rollout import lifeline; "
+    "import sys, time; from molt_rollout.engines import lifeline; "
     f"p = lifeline.spawn([sys.executable, '-c', {SERVER!r}], grace_s=1.0, stdout=sys.stdout); "
     "time.sleep(120)"
 )
@@ -79,7 +79,7 @@ def test_the_reaper_kills_every_descendant_of_a_killed_owner():
         "print(c.pid, flush=True); time.sleep(120)"
     )
     owner_code = (
-        "import subprocess, sys, time; from molt_rollout import lifeline; "
+        "import subprocess, sys, time; from molt_rollout.engines import lifeline; "
         "lifeline.reap_descendants(); "
         f"p = subprocess.Popen([sys.executable, '-c', {tree!r}], stdout=sys.stdout); "
         "time.sleep(120)"
@@ -96,10 +96,15 @@ def test_the_reaper_outlives_a_child_that_ends_while_it_looks(monkeypatch):
     """A descendant can exit between the reaper's listing and its own calls (the engine core's
     short-lived compiler probes do): the reaper goes on watching, then kills the rest."""
     owner = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; "
-         "c = subprocess.Popen(['sleep', '120']); print(c.pid, flush=True); time.sleep(2)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "c = subprocess.Popen(['sleep', '120']); print(c.pid, flush=True); time.sleep(2)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(owner.stdout.readline())
 
     def vanished(pid: int) -> int:

@@ -9,8 +9,8 @@ import pytest
 
 from molt_capture.server import is_loopback
 from molt_rollout import network
-from molt_rollout.config import VLLMConfig, server_args
-from molt_rollout.engine_auth import TOKEN_ENV, RequireToken
+from molt_rollout.config import VLLMConfig
+from molt_rollout.engines.engine import server_args
 from molt_rollout.network import (
     LOOPBACK,
     SINGLE_NODE,
@@ -18,6 +18,7 @@ from molt_rollout.network import (
     UnreachableError,
     check_reachable,
 )
+from molt_rollout.refit.auth import TOKEN_ENV, RequireToken
 
 
 def test_loopback_addresses():  # capture's rule, which the run's addresses follow too
@@ -52,8 +53,9 @@ class FakeRay:
         return [{"Alive": a} for a in self.alive]
 
 
-@pytest.mark.parametrize(("alive", "multi"), [([True], False), ([True, False], False),
-                                              ([True, True], True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("alive", "multi"), [([True], False), ([True, False], False), ([True, True], True)]
+)
 def test_the_cluster_decides_once(monkeypatch, alive, multi):
     import sys
 
@@ -71,10 +73,10 @@ def test_engine_command_line_across_nodes():
     args = server_args(VLLMConfig(), "/m", 8123, "molt_gloo", host="127.0.0.2", token_check=True)
     assert args[args.index("--host") + 1] == "127.0.0.2"
     # the token check wraps every other middleware: it is added last
-    assert middlewares(args)[-1] == "molt_rollout.engine_auth.RequireToken"
+    assert middlewares(args)[-1] == "molt_rollout.refit.auth.RequireToken"
     assert "--api-key" not in args  # the token travels in the environment, not in `ps`
     plain = server_args(VLLMConfig(), "/m", 8123, "molt_gloo")
-    assert "molt_rollout.engine_auth.RequireToken" not in middlewares(plain)
+    assert "molt_rollout.refit.auth.RequireToken" not in middlewares(plain)
 
 
 def middlewares(args: list[str]) -> list[str]:
@@ -82,12 +84,12 @@ def middlewares(args: list[str]) -> list[str]:
 
 
 def test_the_versions_middleware_sees_pause_before_molts_answers_it(monkeypatch):
-    from molt_rollout import vllm_compat
+    from molt_rollout import config
 
-    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: (0, 26))
+    monkeypatch.setattr(config, "vllm_version", lambda: (0, 26))
     assert middlewares(server_args(VLLMConfig(), "/m", 8123, "molt_ipc")) == [
-        "molt_rollout.fast_pause.Pause",  # innermost
-        "molt_rollout.weight_versions.WeightVersions",  # counts every /pause, then forwards it
+        "molt_rollout.refit.fast_pause.Pause",  # innermost
+        "molt_rollout.refit.weight_versions.WeightVersions",  # counts every /pause, then forwards it
     ]
 
 
@@ -97,8 +99,11 @@ def call(app, path: str, headers: dict[str, str]) -> tuple[int, list]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "path": path,
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
     asyncio.run(app(scope, None, send))
     return sent[0]["status"], sent
 
@@ -133,8 +138,8 @@ def test_an_unreachable_server_names_both_ends_and_the_port(monkeypatch):
 
 def test_refit_and_router_name_the_engine_they_cannot_reach(closed_port_url, tmp_path):
     from molt_rollout.config import RefitConfig, RouterConfig
-    from molt_rollout.refit import Refitter
-    from molt_rollout.router import Router
+    from molt_rollout.engines.router import Router
+    from molt_rollout.refit.control import Refitter
 
     with pytest.raises(UnreachableError, match="refit .* dialling engine 0: this node"):
         Refitter([closed_port_url], 1, RefitConfig(), on_gpu=False)
@@ -150,7 +155,7 @@ def test_the_router_takes_a_token_that_starts_with_a_dash(tmp_path):
     import threading
 
     from molt_rollout.config import RouterConfig
-    from molt_rollout.router import Router
+    from molt_rollout.engines.router import Router
 
     class Healthy(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -164,8 +169,9 @@ def test_the_router_takes_a_token_that_starts_with_a_dash(tmp_path):
     engine = http.server.ThreadingHTTPServer((LOOPBACK, 0), Healthy)
     threading.Thread(target=engine.serve_forever, daemon=True).start()
     net = Network(multi_node=True, token="-dash-first-token")
-    router = Router(RouterConfig(), [f"http://{LOOPBACK}:{engine.server_port}"], str(tmp_path),
-                    network=net)  # fmt: skip
+    router = Router(
+        RouterConfig(), [f"http://{LOOPBACK}:{engine.server_port}"], str(tmp_path), network=net
+    )
     try:
         assert router.start().startswith(f"http://{LOOPBACK}:")
         assert router.process.poll() is None

@@ -17,13 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from molt_capture.types import Generation, Rollout, Segment
-from molt_rollout.agent import Dropped
-from molt_rollout.config import RolloutConfig
-from molt_rollout.pool import (
+from molt_rollout.agents.agent import Dropped
+from molt_rollout.agents.pool import (
     GroupResult,
     PromptTask,
     RolloutPool,
 )
+from molt_rollout.config import RolloutConfig
 
 
 class ListSource:
@@ -128,10 +128,14 @@ class ThreadLauncher:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def make_pool(source, launcher, groups_per_batch, n_samples_per_prompt, stale_policy="drop",
-              **settings) -> RolloutPool:  # fmt: skip
-    rollout = RolloutConfig(groups_per_batch=groups_per_batch,
-                            n_samples_per_prompt=n_samples_per_prompt, stale_policy=stale_policy)  # fmt: skip
+def make_pool(
+    source, launcher, groups_per_batch, n_samples_per_prompt, stale_policy="drop", **settings
+) -> RolloutPool:
+    rollout = RolloutConfig(
+        groups_per_batch=groups_per_batch,
+        n_samples_per_prompt=n_samples_per_prompt,
+        stale_policy=stale_policy,
+    )
     return RolloutPool(source, launcher, rollout, **settings)
 
 
@@ -169,8 +173,9 @@ def trained_versions(batch) -> list[int]:
 
 def test_keeps_k_outstanding_emits_at_b_and_carries_surplus():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=4,
-                   n_samples_per_prompt=2)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=4, n_samples_per_prompt=2
+    )
     assert launcher.wait_launched(4) == ["p0", "p1", "p2", "p3"]
     for gid in ("p2", "p0", "p3"):  # finished groups still hold their slot until handed out
         launcher.finish(gid)
@@ -214,8 +219,14 @@ def test_filtered_group_is_counted_and_backfilled():
 
 def test_dropped_rollouts_counted_by_reason_and_small_groups_backfilled():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=2,
-                   n_samples_per_prompt=3, min_rollouts_per_group=2)  # fmt: skip
+    pool = started(
+        ListSource(100),
+        launcher,
+        groups_per_batch=1,
+        max_inflight_groups=2,
+        n_samples_per_prompt=3,
+        min_rollouts_per_group=2,
+    )
     launcher.wait_launched(2)
     launcher.finish("p0", dropped=["agent_error", "deadline"])  # one survivor: too small
     assert launcher.wait_launched(3)[2] == "p2"
@@ -232,8 +243,9 @@ def test_dropped_rollouts_counted_by_reason_and_small_groups_backfilled():
 
 def test_runner_exception_is_counted_and_backfilled():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=2,
-                   n_samples_per_prompt=4)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=2, n_samples_per_prompt=4
+    )
     launcher.wait_launched(2)
     launcher.fail("p0", RuntimeError("actor died"))
     assert launcher.wait_launched(3)[2] == "p2"
@@ -249,8 +261,9 @@ def test_failing_launcher_stops_the_pool_instead_of_hanging():
     def launch(task):
         raise ConnectionError("no runner")
 
-    pool = started(ListSource(1000), launch, groups_per_batch=2, max_inflight_groups=3,
-                   n_samples_per_prompt=2)  # fmt: skip
+    pool = started(
+        ListSource(1000), launch, groups_per_batch=2, max_inflight_groups=3, n_samples_per_prompt=2
+    )
     with pytest.raises(RuntimeError, match="in a row failed.*no runner"):
         pool.next_batch(version=0, timeout_s=2)
     pool.close()
@@ -279,8 +292,9 @@ def test_a_raising_filter_stops_the_pool():
 
 def test_timeout_names_finished_and_in_flight():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=3,
-                   n_samples_per_prompt=2)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=3, n_samples_per_prompt=2
+    )
     launcher.wait_launched(3)
     launcher.finish("p1")
     with pytest.raises(TimeoutError, match="1 of 2 groups finished, 2 in flight"):
@@ -290,8 +304,9 @@ def test_timeout_names_finished_and_in_flight():
 
 def test_close_abandons_pending_futures():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=2,
-                   n_samples_per_prompt=2)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=2, n_samples_per_prompt=2
+    )
     launcher.wait_launched(2)
     pool.close()
     launcher.finish("p0")  # ignored, no error
@@ -305,8 +320,14 @@ def test_close_abandons_pending_futures():
 
 def test_stale_group_dropped_and_metrics_of_the_batch():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=4,
-                   n_samples_per_prompt=2, max_staleness=1)  # fmt: skip
+    pool = started(
+        ListSource(100),
+        launcher,
+        groups_per_batch=2,
+        max_inflight_groups=4,
+        n_samples_per_prompt=2,
+        max_staleness=1,
+    )
     launcher.wait_launched(4)
     launcher.finish("p0", versions=[0, 1])  # lag 2 at version 2: too old
     launcher.finish("p1", versions=[1, 2])  # partial rollout across a refit: lags 1 and 0
@@ -334,8 +355,15 @@ def test_stale_group_dropped_and_metrics_of_the_batch():
 
 def test_stale_group_requeued_first_in_line_with_a_new_group_id():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=1, max_inflight_groups=3,
-                   n_samples_per_prompt=2, max_staleness=0, stale_policy="requeue")  # fmt: skip
+    pool = started(
+        ListSource(100),
+        launcher,
+        groups_per_batch=1,
+        max_inflight_groups=3,
+        n_samples_per_prompt=2,
+        max_staleness=0,
+        stale_policy="requeue",
+    )
     launcher.wait_launched(3)
     launcher.finish("p1", versions=[0])
     launcher.finish("p0", versions=[0])
@@ -350,8 +378,14 @@ def test_stale_group_requeued_first_in_line_with_a_new_group_id():
 
 def test_staleness_bound_holds_under_concurrent_generation():
     launcher = ThreadLauncher(max_delay_s=0.01)
-    pool = started(ListSource(10_000), launcher, groups_per_batch=2, max_inflight_groups=8,
-                   n_samples_per_prompt=2, max_staleness=1)  # fmt: skip
+    pool = started(
+        ListSource(10_000),
+        launcher,
+        groups_per_batch=2,
+        max_inflight_groups=8,
+        n_samples_per_prompt=2,
+        max_staleness=1,
+    )
     dropped = 0
     for version in range(15):
         batch = pool.next_batch(version=version, timeout_s=5)
@@ -369,8 +403,14 @@ def test_staleness_bound_holds_under_concurrent_generation():
 
 def test_force_on_policy_generates_only_inside_next_batch_at_its_version():
     launcher = ThreadLauncher(max_delay_s=0.002)
-    pool = started(ListSource(100), launcher, groups_per_batch=3, max_inflight_groups=3,
-                   n_samples_per_prompt=2, force_on_policy=True)  # fmt: skip
+    pool = started(
+        ListSource(100),
+        launcher,
+        groups_per_batch=3,
+        max_inflight_groups=3,
+        n_samples_per_prompt=2,
+        force_on_policy=True,
+    )
     time.sleep(0.03)
     assert launcher.launched == []  # nothing before the first next_batch
     for version in range(3):
@@ -388,8 +428,14 @@ def test_force_on_policy_generates_only_inside_next_batch_at_its_version():
 
 def test_force_on_policy_requeues_a_group_with_another_version():
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, max_inflight_groups=2,
-                   n_samples_per_prompt=2, force_on_policy=True)  # fmt: skip
+    pool = started(
+        ListSource(100),
+        launcher,
+        groups_per_batch=2,
+        max_inflight_groups=2,
+        n_samples_per_prompt=2,
+        force_on_policy=True,
+    )
     batch = in_thread(pool.next_batch, version=1, timeout_s=1)
     launcher.wait_launched(2)
     launcher.finish("p0", versions=[0, 1])  # one token of version 0: requeued
@@ -431,8 +477,12 @@ def test_exactly_once_across_export_and_import_mid_run():
 
 @pytest.mark.parametrize("force_on_policy", [False, True], ids=["k_equals_b", "forced"])
 def test_synchronous_resume_reproduces_the_prompt_order(force_on_policy):
-    cfg = dict(groups_per_batch=3, max_inflight_groups=3, n_samples_per_prompt=2,
-               force_on_policy=force_on_policy)  # fmt: skip
+    cfg = dict(
+        groups_per_batch=3,
+        max_inflight_groups=3,
+        n_samples_per_prompt=2,
+        force_on_policy=force_on_policy,
+    )
 
     def run(pool, launcher, versions):
         out = []
@@ -467,8 +517,9 @@ def test_a_failure_from_outside_stops_a_waiting_next_batch():
     """A dead engine (the driver's watchdog calls `fail`) ends the wait at once, with its own
     error, and nothing more is launched."""
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2,
-                   max_inflight_groups=2)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2, max_inflight_groups=2
+    )
     launcher.wait_launched(2)
     batch = in_thread(pool.next_batch, version=0, timeout_s=30)
     time.sleep(0.2)  # next_batch is waiting
@@ -492,8 +543,9 @@ def test_an_interrupt_wakes_next_batch_once_and_the_pool_keeps_running():
         pass
 
     launcher = ManualLauncher()
-    pool = started(ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2,
-                   max_inflight_groups=2)  # fmt: skip
+    pool = started(
+        ListSource(100), launcher, groups_per_batch=2, n_samples_per_prompt=2, max_inflight_groups=2
+    )
     launcher.wait_launched(2)
     waiting = in_thread(pool.next_batch, version=0, timeout_s=30)
     pool.interrupt(Restarted())  # before or during the wait: raised once either way

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt_rollout.config import RefitConfig
-from molt_rollout.refit import EngineSet, GlooTransport, NcclTransport, RefitError, Refitter
+from molt_rollout.refit.control import EngineSet, GlooTransport, NcclTransport, RefitError, Refitter
 
 
 class Engine:
@@ -87,8 +87,13 @@ def test_the_nccl_rendezvous_listens_on_the_port_it_names(monkeypatch):
     with pytest.raises(OSError):  # taken: nobody else can bind it before the rendezvous
         socket.create_server(("127.0.0.1", info["master_port"]))
     joined = []
-    worker = threading.Thread(target=lambda: joined.append(StatelessProcessGroup.create(
-        info["master_address"], info["master_port"], rank=1, world_size=2)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: joined.append(
+            StatelessProcessGroup.create(
+                info["master_address"], info["master_port"], rank=1, world_size=2
+            )
+        )
+    )
     worker.start()
     transport.connect()
     worker.join(30)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from molt_rollout.tiny_model import TINY_SHAPE, build_tiny_model, default_cache_dir
+from molt_rollout.engines.tiny_model import TINY_SHAPE, build_tiny_model, default_cache_dir
 
 WEIGHTS = "model.safetensors"
 MARKER = "molt_tiny_model_version"

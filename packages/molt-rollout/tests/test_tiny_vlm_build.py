@@ -9,17 +9,25 @@ from pathlib import Path
 import pytest
 from transformers import AutoProcessor
 
-from molt_rollout.tiny_vlm import IMAGE_TOKEN, IMAGE_TOKENS, build_tiny_vlm
+from molt_rollout.engines.tiny_vlm import IMAGE_TOKEN, IMAGE_TOKENS, build_tiny_vlm
 
-FILES = ("model.safetensors", "config.json", "tokenizer.json", "processor_config.json",
-         "chat_template.jinja")  # fmt: skip
+FILES = (
+    "model.safetensors",
+    "config.json",
+    "tokenizer.json",
+    "processor_config.json",
+    "chat_template.jinja",
+)
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
-    return {"a": build_tiny_vlm(root / "a"), "b": build_tiny_vlm(root / "b", seed=0),
-            "seed1": build_tiny_vlm(root / "seed1", seed=1)}  # fmt: skip
+    return {
+        "a": build_tiny_vlm(root / "a"),
+        "b": build_tiny_vlm(root / "b", seed=0),
+        "seed1": build_tiny_vlm(root / "seed1", seed=1),
+    }
 
 
 def test_same_seed_gives_identical_bytes_and_small(builds):

@@ -17,11 +17,11 @@ from PIL import Image
 from molt_capture.media import ImageEncoder, MediaError, load_image_encoder
 from molt_capture.testing import FakeGenerator
 from molt_capture.types import Rollout
-from molt_rollout.agent import ChatAgent, ChatContext, Dropped, Env, Result
-from molt_rollout.chat_runner import ChatRunner
+from molt_rollout.agents.agent import ChatAgent, ChatContext, Dropped, Env, Result
+from molt_rollout.agents.chat_runner import ChatRunner
+from molt_rollout.agents.env_runner import EnvRunner
 from molt_rollout.config import RolloutConfig
-from molt_rollout.env_runner import EnvRunner
-from molt_rollout.tiny_vlm import IMAGE_TOKENS, build_tiny_vlm
+from molt_rollout.engines.tiny_vlm import IMAGE_TOKENS, build_tiny_vlm
 
 
 def png(colour, size=(30, 20)) -> bytes:
@@ -44,8 +44,12 @@ def test_encode_expands_each_image_once(encoder):
     processor = encoder.processor
     text = processor.apply_chat_template(image_chat(2), add_generation_prompt=True, tokenize=False)
     prompt = encoder.encode(text, [png("red"), png("blue")])
-    want = processor(text=[text], images=[[Image.open(io.BytesIO(png(c))) for c in ("red", "blue")]],
-                     return_tensors="np", add_special_tokens=False)  # fmt: skip
+    want = processor(
+        text=[text],
+        images=[[Image.open(io.BytesIO(png(c))) for c in ("red", "blue")]],
+        return_tensors="np",
+        add_special_tokens=False,
+    )
     assert prompt.token_ids == want["input_ids"][0].tolist()
     assert prompt.token_ids.count(encoder.image_token_id) == 2 * IMAGE_TOKENS
     first, second = prompt.images
@@ -59,13 +63,15 @@ def test_encode_expands_each_image_once(encoder):
 
 
 def test_encode_refuses_mismatches_and_too_many(encoder):
-    text = encoder.processor.apply_chat_template(image_chat(1), add_generation_prompt=True,
-                                                 tokenize=False)  # fmt: skip
+    text = encoder.processor.apply_chat_template(
+        image_chat(1), add_generation_prompt=True, tokenize=False
+    )
     with pytest.raises(MediaError, match="2 images for 1 <image> tokens"):
         encoder.encode(text, [png("red"), png("red")])
     few = ImageEncoder(encoder.processor, "idefics3", max_images=1)
-    two = encoder.processor.apply_chat_template(image_chat(2), add_generation_prompt=True,
-                                                tokenize=False)  # fmt: skip
+    two = encoder.processor.apply_chat_template(
+        image_chat(2), add_generation_prompt=True, tokenize=False
+    )
     with pytest.raises(MediaError, match="2 images, at most 1 per prompt"):
         few.encode(two, [png("red"), png("red")])
     with pytest.raises(MediaError, match="'qwen2_vl' model are not supported"):
@@ -93,8 +99,12 @@ def test_env_runner_sends_the_segments_images(encoder):
             sent.append((list(ids), list(images)))
             return await super().__call__(ids, params, session_id)
 
-    runner = Runner(Recording(tokenizer, ["It is red."]), tokenizer,
-                    RolloutConfig(max_len=200), image_encoder=encoder)  # fmt: skip
+    runner = Runner(
+        Recording(tokenizer, ["It is red."]),
+        tokenizer,
+        RolloutConfig(max_len=200),
+        image_encoder=encoder,
+    )
     row = {"prompt": image_chat(1), "images": [{"bytes": png("red"), "path": None}]}
     rollout = asyncio.run(runner.run(row, "r", "g"))
     assert isinstance(rollout, Rollout), rollout
@@ -132,10 +142,16 @@ class LooksThroughOpenAI(ChatAgent):
         async with client:
             messages = list(ctx.messages)
             first = await client.chat.completions.create(model=ctx.model, messages=messages)
-            messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": [
-                             {"type": "image_url", "image_url": {"url": f"file://{self.path}"}},
-                             {"type": "text", "text": "and now?"}]}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": f"file://{self.path}"}},
+                        {"type": "text", "text": "and now?"},
+                    ],
+                },
+            ]
             await client.chat.completions.create(model=ctx.model, messages=messages)
         return Result(reward=1.0)
 
@@ -155,8 +171,12 @@ def test_chat_agent_image_url_parts_are_rendered_token_exactly(encoder, tmp_path
         def make_agent(self):
             return LooksThroughOpenAI(str(path))
 
-    runner = Runner(Recording(tokenizer, ["It is red."]), tokenizer,
-                    RolloutConfig(max_len=200, generator_timeout_s=10), image_encoder=encoder)  # fmt: skip
+    runner = Runner(
+        Recording(tokenizer, ["It is red."]),
+        tokenizer,
+        RolloutConfig(max_len=200, generator_timeout_s=10),
+        image_encoder=encoder,
+    )
     try:
         row = {"prompt": image_chat(1), "images": [{"bytes": png("red"), "path": None}]}
         rollout = asyncio.run(runner.run(row, "r", "g"))
@@ -166,8 +186,9 @@ def test_chat_agent_image_url_parts_are_rendered_token_exactly(encoder, tmp_path
     (seg,) = rollout.segments  # the second turn extended the first: one segment, two images
     assert len(seg.turns) == 2 and len(seg.images) == 2
     # The first prompt is exactly what the Env form renders: the processor's ids and pixels.
-    text = encoder.processor.apply_chat_template(image_chat(1), add_generation_prompt=True,
-                                                 tokenize=False)  # fmt: skip
+    text = encoder.processor.apply_chat_template(
+        image_chat(1), add_generation_prompt=True, tokenize=False
+    )
     want = encoder.encode(text, [png("red")])
     assert sent[0][0] == want.token_ids and sent[0][1][0].mm_hash == want.images[0].mm_hash
     green = encoder.encode(encoder.image_token, [png("green")]).images[0]
@@ -187,9 +208,20 @@ def test_text_only_capture_server_keeps_the_clear_400(encoder):
             client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
             async with client:
                 with pytest.raises(openai.BadRequestError, match="needs a multimodal model"):
-                    await client.chat.completions.create(model=ctx.model, messages=[
-                        {"role": "user", "content": [{"type": "image_url", "image_url": {
-                            "url": "data:image/png;base64,AAAA"}}]}])  # fmt: skip
+                    await client.chat.completions.create(
+                        model=ctx.model,
+                        messages=[
+                            {
+                                "role": "user",
+                                "content": [
+                                    {
+                                        "type": "image_url",
+                                        "image_url": {"url": "data:image/png;base64,AAAA"},
+                                    }
+                                ],
+                            }
+                        ],
+                    )
             return Result(reward=0.0)
 
     class Runner(ChatRunner):
@@ -223,15 +255,20 @@ def assert_renders_as_the_openai_parts_do(encoder, send):
     class Runner(ChatRunner):
         agent_class = Sends
 
-    runner = Runner(Recording(tokenizer, ["red"]), tokenizer,
-                    RolloutConfig(max_len=200, generator_timeout_s=10), image_encoder=encoder)  # fmt: skip
+    runner = Runner(
+        Recording(tokenizer, ["red"]),
+        tokenizer,
+        RolloutConfig(max_len=200, generator_timeout_s=10),
+        image_encoder=encoder,
+    )
     try:
         rollout = asyncio.run(runner.run({"prompt": "unused"}, "r", "g"))
     finally:
         runner.close()
     assert isinstance(rollout, Rollout), rollout
-    text = encoder.processor.apply_chat_template(image_chat(1), add_generation_prompt=True,
-                                                 tokenize=False)  # fmt: skip
+    text = encoder.processor.apply_chat_template(
+        image_chat(1), add_generation_prompt=True, tokenize=False
+    )
     want = encoder.encode(text, [png("red")])
     ((ids, images),) = sent
     assert ids == want.token_ids and [i.mm_hash for i in images] == [want.images[0].mm_hash]
@@ -241,14 +278,30 @@ def assert_renders_as_the_openai_parts_do(encoder, send):
 def test_anthropic_image_blocks_render_as_the_openai_parts_do(encoder):
     async def send(ctx: ChatContext) -> None:
         data = base64.b64encode(png("red")).decode()
-        client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url,
-                                          api_key=ctx.api_key, max_retries=0)  # fmt: skip
+        client = anthropic.AsyncAnthropic(
+            base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0
+        )
         async with client:
-            await client.messages.create(model=ctx.model, max_tokens=4, messages=[
-                {"role": "user", "content": [
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                 "data": data}},
-                    {"type": "text", "text": "colour?"}]}])  # fmt: skip
+            await client.messages.create(
+                model=ctx.model,
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": data,
+                                },
+                            },
+                            {"type": "text", "text": "colour?"},
+                        ],
+                    }
+                ],
+            )
 
     rollout, want = assert_renders_as_the_openai_parts_do(encoder, send)
     assert rollout.segments[0].images[0].mm_hash == want.images[0].mm_hash
@@ -259,9 +312,18 @@ def test_responses_input_image_renders_as_the_openai_parts_do(encoder):
         url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         async with client:
-            await client.responses.create(model=ctx.model, max_output_tokens=4, input=[
-                {"role": "user", "content": [
-                    {"type": "input_image", "image_url": url, "detail": "auto"},
-                    {"type": "input_text", "text": "colour?"}]}])  # fmt: skip
+            await client.responses.create(
+                model=ctx.model,
+                max_output_tokens=4,
+                input=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_image", "image_url": url, "detail": "auto"},
+                            {"type": "input_text", "text": "colour?"},
+                        ],
+                    }
+                ],
+            )
 
     assert_renders_as_the_openai_parts_do(encoder, send)

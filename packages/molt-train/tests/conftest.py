@@ -10,7 +10,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3"))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from molt_train.checkpoint import BestTracker, CheckpointManager
+from molt_train.cli import parse
 
 
 class FileActor:
@@ -26,7 +27,7 @@ def save(manager: CheckpointManager, actor: FileActor, step: int) -> None:
 
 
 def best_weights(manager: CheckpointManager) -> str:
-    return (Path(manager.best()) / "policy" / "weights.txt").read_text()
+    return (manager.root / "best" / "policy" / "weights.txt").read_text()
 
 
 def test_an_eval_that_finishes_after_a_refit_is_credited_to_its_version(tmp_path):
@@ -35,16 +36,16 @@ def test_an_eval_that_finishes_after_a_refit_is_credited_to_its_version(tmp_path
     save(manager, actor, 10)
     save(manager, actor, 20)  # trained on and refit before the eval of version 10 came back
     assert tracker.update(10, {"eval/pass@1": 0.5})
-    manager.promote_best(tracker.version, tracker.record())
+    manager.promote_best(tracker.version, tracker.state_dict())
     assert best_weights(manager) == "10"  # version 10's weights, not the latest ones
-    record = json.loads((Path(manager.best()) / "best.json").read_text())
+    record = json.loads((tmp_path / "best" / "best.json").read_text())
     assert record == {"metric": "eval/pass@1", "mode": "max", "value": 0.5, "version": 10}
 
     assert not tracker.update(20, {"eval/pass@1": 0.4})  # worse: best stays on 10
     save(manager, actor, 30)  # prunes step 10: the best copy survives it
-    assert manager.checkpoint_of(10) is None and best_weights(manager) == "10"
+    assert not (tmp_path / "step_00000010").exists() and best_weights(manager) == "10"
     assert tracker.update(30, {"eval/pass@1": 0.75})
-    manager.promote_best(30, tracker.record())
+    manager.promote_best(30, tracker.state_dict())
     assert best_weights(manager) == "30"
     assert sorted(p.name for p in tmp_path.glob("best*")) == ["best", "best_00000030"]
 
@@ -58,15 +59,15 @@ def test_modes_ties_and_missing_values():
     restored = BestTracker("eval/loss", "min")
     restored.load_state_dict(low.state_dict())
     assert not restored.update(6, {"eval/loss": 1.5}) and restored.update(7, {"eval/loss": 0.5})
-    with pytest.raises(ValueError):
-        BestTracker("eval/loss", "lowest")
+    with pytest.raises(SystemExit):  # the CLI takes max or min only
+        parse(["--ckpt.best_mode", "lowest"])
 
 
 def test_promoting_a_checkpoint_that_is_gone_fails(tmp_path):
     manager = CheckpointManager(str(tmp_path), keep_last=2)
     with pytest.raises(FileNotFoundError):
         manager.promote_best(5, {})
-    assert manager.best() is None
+    assert not (tmp_path / "best").exists()
 
 
 def test_a_crash_mid_promotion_leaves_the_old_best(tmp_path):

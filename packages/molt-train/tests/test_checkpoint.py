@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt_algos import AlgoConfig
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, OptimConfig
 from molt_train.checkpoint import CheckpointManager
-from molt_train.config import AlgoConfig
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 
@@ -51,7 +51,7 @@ def test_save_is_atomic_and_a_stale_tmp_is_cleaned(tmp_path):
     assert group.value == "a"
     manager.save(30, {"policy": FileGroup("c")}, {"step": 30})
     assert not (tmp_path / "step_00000020.tmp").exists()
-    assert manager.load_driver_state(manager.latest()) == {"step": 30}
+    assert manager.load(manager.latest(), {}) == {"step": 30}
 
 
 def test_retention_keeps_the_last_n(tmp_path):
@@ -128,7 +128,7 @@ def test_resume_is_exact_and_exports_to_hf(ray_cluster, tiny_model, tmp_path, lo
         assert_same_state(resumed.full_state(), after)
 
         export = str(tmp_path / "hf")
-        manager.export_hf(resumed, export)
+        resumed.export_hf(export)
         logprobs = resumed.forward_logprobs(samples)
     finally:
         resumed.shutdown()

@@ -3,10 +3,9 @@ follows rewards through length shaping into advantages."""
 
 import pytest
 
-from molt_algos import RewardConfig
+from molt_algos import AlgoConfig, RewardConfig
 from molt_capture.types import Generation, Rollout, Segment
-from molt_rollout.pool import Batch, GroupResult
-from molt_train.config import AlgoConfig
+from molt_rollout.agents.pool import Batch, GroupResult
 from molt_train.experience import make_experience
 
 

@@ -38,8 +38,9 @@ def log_steps(logger: MetricsLogger) -> None:
 
 def test_jsonl_rows_keep_non_finite_values_as_null(tmp_path):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, console=False)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        log_steps(logger)
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    log_steps(logger)
+    logger.close()
     paths = logger.close()  # a second close is harmless and returns the same paths
 
     assert paths == {"metrics": str(tmp_path / "metrics.jsonl")}
@@ -139,18 +140,19 @@ def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path):
 
 def test_wandb_run_that_raised_is_marked_failed(tmp_path):
     cfg = LoggerConfig(tensorboard=False, jsonl=False, console=False)
-    with pytest.raises(RuntimeError), MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        logger.log(1, {"rollout/reward_mean": 1.0})
-        raise RuntimeError("the trainer died")
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    logger.log(1, {"rollout/reward_mean": 1.0})
+    logger.close(exit_code=1)  # the trainer died
     rows, exit_code = read_wandb_run(logger.close()["wandb"])
     assert exit_code == 1 and rows[0]["rollout/reward_mean"] == 1.0
 
 
 def test_wandb_disabled_writes_no_wandb_files(tmp_path):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, console=False)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        log_steps(logger)
-        logger.log_samples(3, [{"prompt": "p", "response": "r", "reward": float("nan")}])
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    log_steps(logger)
+    logger.log_samples(3, [{"prompt": "p", "response": "r", "reward": float("nan")}])
+    logger.close()
     assert not (tmp_path / "wandb").exists()
     assert set(logger.close()) == {"metrics", "samples"}
     (sample,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
@@ -159,9 +161,10 @@ def test_wandb_disabled_writes_no_wandb_files(tmp_path):
 
 def test_console_table(tmp_path, capsys):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, jsonl=False, console_every=2)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        log_steps(logger)
-        logger.log(4, {"timing/generation": 12.345, "perf/train_tokens_per_sec": 98765.4})
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    log_steps(logger)
+    logger.log(4, {"timing/generation": 12.345, "perf/train_tokens_per_sec": 98765.4})
+    logger.close()
     lines = capsys.readouterr().out.splitlines()
 
     # The header once, the first step, then every second step.
@@ -179,13 +182,15 @@ def test_console_table(tmp_path, capsys):
 
 def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, console=False)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        for step in (1, 2, 3):
-            logger.log(step, {"x/y": float(step)})
-            logger.log_samples(step, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    for step in (1, 2, 3):
+        logger.log(step, {"x/y": float(step)})
+        logger.log_samples(step, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    logger.close()
     # The run crashed after step 3; its latest checkpoint is step 2, so step 3 is redone.
-    with MetricsLogger(cfg, str(tmp_path), {}, resumed_at=2) as logger:
-        logger.log(3, {"x/y": 30.0})
+    logger = MetricsLogger(cfg, str(tmp_path), {}, resumed_at=2)
+    logger.log(3, {"x/y": 30.0})
+    logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["x/y"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     samples = (tmp_path / "samples.jsonl").read_text().splitlines()
@@ -194,14 +199,16 @@ def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):
 
 def test_console_off_prints_nothing(tmp_path, capsys):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, jsonl=False, console=False)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger:
-        log_steps(logger)
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    log_steps(logger)
+    logger.close()
     assert capsys.readouterr().out == ""
 
 
 def test_a_metric_that_is_not_a_number_is_named(tmp_path):
     cfg = LoggerConfig(wandb_mode="disabled", tensorboard=False, console=False)
-    with MetricsLogger(cfg, str(tmp_path), {}) as logger, pytest.raises(TypeError, match="'x/y'"):
+    logger = MetricsLogger(cfg, str(tmp_path), {})
+    with pytest.raises(TypeError, match="'x/y'"):
         logger.log(1, {"x/y": "high"})
 
 
@@ -360,8 +367,9 @@ def test_a_missing_logging_package_is_named_at_start_up(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     with pytest.raises(ValueError, match="--logger.wandb_mode needs the wandb package.*disabled"):
         validate_logger_config(LoggerConfig())
     validate_logger_config(LoggerConfig(wandb_mode="disabled"))

@@ -8,6 +8,7 @@ import torch
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, validate_actor_config
 from molt_train.lora import adapter_scales, add_adapters, merge_adapters
 from molt_train.model_worker import ModelWorker
+from molt_train.weights_out import WeightsOut
 
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["*.q_proj", "*.v_proj", "*.down_proj"])
 
@@ -28,12 +29,9 @@ def lora_model(tiny_model: str, lora: LoRAConfig = LORA):
     return model
 
 
-def worker_over(model, lora: LoRAConfig = LORA) -> ModelWorker:
-    """A policy worker around a plain (unsharded) module: its gather needs no collectives."""
-    worker = ModelWorker(ActorConfig(lora=lora), FSDPConfig(), "policy", 0, 1, on_gpu=False)
-    worker.model, worker.device, worker.autocast = model, torch.device("cpu"), False
-    worker.lora_scales = adapter_scales(model)
-    return worker
+def weights_of(model, lora: LoRAConfig = LORA) -> WeightsOut:
+    """The weights of a plain (unsharded) adapted module: its gather needs no collectives."""
+    return WeightsOut(model, torch.device("cpu"), 0, "", torch.float32, lora)
 
 
 def test_merged_weights_are_w_plus_scaled_ba_under_the_base_names(tiny_model):
@@ -42,7 +40,7 @@ def test_merged_weights_are_w_plus_scaled_ba_under_the_base_names(tiny_model):
 
     model = lora_model(tiny_model)
     base = load_file(f"{tiny_model}/model.safetensors")
-    merged = dict(worker_over(model).named_full_tensors())
+    merged = dict(weights_of(model).named_full_tensors())
     assert set(merged) == set(base)  # the checkpoint's names: what vLLM loads
     scale = LORA.alpha / LORA.rank
     adapted = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
@@ -144,8 +142,8 @@ def test_the_adapter_refit_writes_what_merges_into_the_served_weights(tiny_model
     from molt_train.lora import write_adapter
 
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=LORA.target_modules, refit="adapter")
-    worker = worker_over(lora_model(tiny_model, lora), lora)
-    worker.check_adapter_names()  # transformers' Qwen3 keeps every projection's name
+    worker = weights_of(lora_model(tiny_model, lora), lora)  # checks the adapted layers' names
+    assert set(worker.lora_scales) == set(adapter_scales(worker.model))
     base = load_file(f"{tiny_model}/model.safetensors")
     adapters = dict(worker.named_adapter_tensors(torch.float32))
     assert {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapters} <= set(base)

@@ -5,11 +5,13 @@ of one without collectives: the worker's loss is called directly)."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from molt_algos import AggregationWindow
 from molt_capture.types import Generation, Rollout, Segment
-from molt_rollout.pool import Batch, GroupResult
+from molt_rollout.agents.pool import Batch, GroupResult
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.cli import QUICKSTART, parse
 from molt_train.config import resolved
@@ -26,8 +28,7 @@ def worker(tiny_model):
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"
     )
     worker = ModelWorker(ActorConfig(), FSDPConfig(), "policy", 0, 1, on_gpu=False)
-    worker.model, worker.device, worker.autocast = model, torch.device("cpu"), False
-    worker.routers = []
+    worker.model = model
     return worker
 
 
@@ -62,17 +63,14 @@ def batch_of(rollouts: list[Rollout]) -> Batch:
     return Batch(groups=groups, metrics={}, dropped={})
 
 
-def reduce(per_token, mask, loss):
-    return (per_token * mask).sum() / mask.sum()
-
-
 def loss_and_grads(worker, samples, algo):
     worker.model.zero_grad(set_to_none=True)
-    loss, stats, per_token, old = worker._policy_loss(pack(samples, padded=worker.padded),
-                                                     reduce, algo, sft=False)  # fmt: skip
-    loss.backward()
+    batch = pack(samples, padded=worker.padded)
+    objective = worker._objective(batch, algo, AggregationWindow(), sft=False, value_clip=None)
+    objective.loss.backward()
     grads = {name: p.grad.clone() for name, p in worker.model.named_parameters()}
-    return loss.detach(), {**stats, **per_token}, grads, old
+    stats = {**objective.totals, **objective.per_token}
+    return objective.loss.detach(), stats, grads, batch.per_sample(objective.old_logprobs)
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -88,7 +86,7 @@ def test_skipping_the_old_logprob_pass_changes_nothing(worker, padded):
     assert all(s.old_logprobs is None and s.weights is None for s in without.samples)
     assert with_pass.metrics["is/ratio_max"] > 2  # the truncation bites
     loss_a, stats_a, grads_a, _ = loss_and_grads(worker, with_pass.samples, cfg.algo)
-    loss_b, stats_b, grads_b, old_b = loss_and_grads(worker, without.samples, cfg.algo)
+    loss_b, stats_b, grads_b, old_rows = loss_and_grads(worker, without.samples, cfg.algo)
 
     assert torch.equal(loss_a, loss_b)
     assert stats_a == stats_b
@@ -97,8 +95,8 @@ def test_skipping_the_old_logprob_pass_changes_nothing(worker, padded):
         assert torch.equal(grads_a[name], grads_b[name]), name
     assert any(g.abs().sum() > 0 for g in grads_a.values())
     # The old log-probs the loss used, handed back, give the pass's IS metrics exactly.
-    old_rows = pack(without.samples, padded=padded).to_lists(old_b)
-    assert old_rows == [s.old_logprobs for s in with_pass.samples]
+    for got, expected in zip(old_rows, with_pass.samples, strict=True):
+        assert np.array_equal(got, expected.old_logprobs)
     is_metrics = correction_metrics(without, old_rows, cfg.algo)
     assert is_metrics == {k: v for k, v in with_pass.metrics.items() if k.startswith("is/")}
     assert without.metrics == {k: v for k, v in with_pass.metrics.items() if k not in is_metrics}

@@ -1,5 +1,5 @@
-"""molt_train.own_session with real processes: a program that calls `run_in_own_session()`, then
-records the signals it and a process of its own group (as Ray's processes are) receive."""
+"""molt_train.cli.run_in_own_session with real processes: a program that calls it, then records
+the signals it and a process of its own group (as Ray's processes are) receive."""
 
 import contextlib
 import os
@@ -12,7 +12,7 @@ import pytest
 
 PROGRAM = """
 import os, signal, subprocess, sys, time
-from molt_train.own_session import run_in_own_session
+from molt_train.cli import run_in_own_session
 
 run_in_own_session()
 log = sys.argv[1]
@@ -55,8 +55,9 @@ def launched(tmp_path, request):
         for signum, disposition in dispositions.items():
             signal.signal(signum, disposition)
 
-    command = subprocess.Popen([sys.executable, "-c", PROGRAM, str(log), MEMBER],
-                               start_new_session=True, preexec_fn=start)  # fmt: skip
+    command = subprocess.Popen(
+        [sys.executable, "-c", PROGRAM, str(log), MEMBER], start_new_session=True, preexec_fn=start
+    )
     deadline = time.monotonic() + 30
     while "ready" not in (log.read_text() if log.exists() else ""):
         assert command.poll() is None and time.monotonic() < deadline
@@ -91,8 +92,9 @@ def test_a_group_signal_reaches_the_driver_alone(launched, sig):
     assert command.wait(timeout=10) == 3
 
 
-@pytest.mark.parametrize("launched", [{signal.SIGINT: signal.SIG_IGN}], indirect=True,
-                         ids=["SIGINT-ignored"])  # fmt: skip
+@pytest.mark.parametrize(
+    "launched", [{signal.SIGINT: signal.SIG_IGN}], indirect=True, ids=["SIGINT-ignored"]
+)
 def test_a_group_sigint_reaches_the_driver_of_a_background_job(launched):
     """A shell starts a background job with SIGINT ignored; the driver's own handler takes it
     all the same, so the command passes it on."""
@@ -109,8 +111,9 @@ def test_a_hangup_stops_the_driver_as_sigterm_does(launched):
     assert command.wait(timeout=10) == 3
 
 
-@pytest.mark.parametrize("launched", [{signal.SIGHUP: signal.SIG_IGN}], indirect=True,
-                         ids=["nohup"])  # fmt: skip
+@pytest.mark.parametrize(
+    "launched", [{signal.SIGHUP: signal.SIG_IGN}], indirect=True, ids=["nohup"]
+)
 def test_under_nohup_a_hangup_leaves_the_run_going(launched):
     command, log, _, _ = launched
     command.send_signal(signal.SIGHUP)

@@ -1,6 +1,7 @@
 """Packing: the token budget, the split across ranks, the tensors of one microbatch, and the
 correctness that matters most: a packed forward gives each sequence the log-probs it gets alone."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,6 @@ from molt_train.packing import (
     pack,
     pack_by_budget,
     plan_microbatches,
-    shift_right,
     unplan,
 )
 
@@ -85,13 +85,26 @@ def test_pack_builds_one_row_with_restarting_positions():
     assert batch.cu_seqlens.tolist() == [0, 3, 5] and batch.cu_seqlens.dtype == torch.int32
     assert batch.row_index.tolist() == [[0, 1, 2], [3, 4, 0]]
     assert batch.valid.tolist() == [[True, True, True], [True, True, False]]
-    assert batch.loss_mask.tolist() == [[False, True, True], [False, True, False]]
-    assert batch.fields["advantages"].tolist() == [[0.0, 1.0, 2.0], [0.0, 5.0, 0.0]]
-    assert batch.fields["old_logprobs"] is None
+    assert batch.inputs.mask.tolist() == [[False, True, True], [False, True, False]]
+    assert batch.inputs.advantages.tolist() == [[0.0, 1.0, 2.0], [0.0, 5.0, 0.0]]
+    assert batch.inputs.old_logprobs is None
     rows = batch.to_rows(torch.arange(5.0))
     assert rows.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]]
-    assert batch.to_lists(rows) == [[0.0, 1.0, 2.0], [0.0, 4.0]]  # 0.0 off the loss mask
-    assert shift_right(torch.tensor([1.0, 2.0])).tolist() == [0.0, 1.0, 2.0]
+    per_sample = batch.per_sample(rows)  # 0.0 off the loss mask
+    assert [a.tolist() for a in per_sample] == [[0.0, 1.0, 2.0], [0.0, 4.0]]
+    # Arrays as well as lists: the batch is the same.
+    arrays = [
+        Sample(
+            np.asarray(s.token_ids),
+            np.asarray(s.loss_mask, dtype=bool),
+            advantages=np.asarray(s.advantages, dtype=np.float32),
+        )
+        for s in (a, b)
+    ]
+    again = pack(arrays)
+    assert torch.equal(again.input_ids, batch.input_ids)
+    assert torch.equal(again.inputs.mask, batch.inputs.mask)
+    assert torch.equal(again.inputs.advantages, batch.inputs.advantages)
 
 
 def test_padded_rows_and_their_budget():
@@ -116,7 +129,7 @@ def test_pack_rejects_mixed_fields_and_temperatures():
 
 def test_empty_batch_trains_nothing():
     batch = empty_batch()
-    assert batch.input_ids.shape == (1, 2) and not batch.loss_mask.any()
+    assert batch.input_ids.shape == (1, 2) and not batch.inputs.mask.any()
 
 
 @pytest.mark.parametrize(
@@ -129,7 +142,7 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
     document), or padded rows: every sequence gets exactly its solo log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from molt_train.attention import enable_document_attention
+    from molt_train.attention import DOCUMENT_ATTENTION, document_attention, route_sdpa
     from molt_train.token_stats import packed_token_stats, packs_sequences
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -137,7 +150,7 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
     )
     assert packs_sequences(model)  # a transformers class: its mask code reads position ids
     if documents:
-        assert enable_document_attention(model)
+        assert route_sdpa(model, DOCUMENT_ATTENTION, document_attention)
     generator = torch.Generator().manual_seed(0)
     samples = []
     for n in (7, 1, 12, 2, 9):
@@ -147,7 +160,7 @@ def test_packed_forward_matches_one_sequence_at_a_time(tiny_model, from_hidden, 
         batch = pack(samples, padded=padded)
         stats = packed_token_stats(model, batch, 4, True, from_hidden=from_hidden)
         rows, entropy = stats.logprobs, stats.entropy
-        packed = batch.to_lists(rows)
+        packed = batch.per_sample(rows)
         for sample_, got, got_entropy in zip(samples, packed, entropy, strict=True):
             ids = torch.tensor([sample_.token_ids])
             logp = torch.log_softmax(model(ids).logits[0].float() / 0.8, dim=-1)
@@ -242,9 +255,10 @@ def test_candidate_logprobs_match_the_full_softmax(tiny_model, padded):
         samples.append(Sample(token_ids=ids, loss_mask=[0] + [1] * (n - 1), temperature=0.7,
                               head_ids=heads, head_logprobs=head_lps))  # fmt: skip
     batch = pack(samples, padded=padded)
-    assert batch.head_ids.shape == (3, 9, 3) and torch.isinf(batch.head_logprobs[0, 0]).all()
+    sampler_heads = batch.inputs.sampler_head_logprobs
+    assert batch.head_ids.shape == (3, 9, 3) and torch.isinf(sampler_heads[0, 0]).all()
     stats = packed_token_stats(model, batch, 4, False, head_ids=batch.head_ids)
-    present = torch.isfinite(batch.head_logprobs) & batch.loss_mask[..., None]
+    present = torch.isfinite(sampler_heads) & batch.inputs.mask[..., None]
     got = torch.where(present, stats.head_logprobs, torch.zeros_like(stats.head_logprobs))
     grads = torch.autograd.grad(got.sum(), list(model.parameters()), allow_unused=True)
 
@@ -273,5 +287,5 @@ def test_heads_must_be_on_every_sample_of_a_batch():
         pack([with_head, Sample([1, 2], [0, 1])])
     with pytest.raises(ValueError, match="come together"):
         Sample([1, 2], [0, 1], head_ids=[[], [2]])
-    with pytest.raises(ValueError, match="head rows"):
+    with pytest.raises(ValueError, match="head_ids has 1 entries for 2 tokens"):
         Sample([1, 2], [0, 1], head_ids=[[2]], head_logprobs=[[-0.1]])

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from molt_capture.testing import FakeGenerator, assert_token_exact
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
 from molt_rollout import ChatRunner, EnvRunner, RolloutConfig, load_agent
-from molt_rollout.data import load_rows
+from molt_rollout.agents.data import load_rows
 from molt_train import quickstart
 from molt_train.quickstart import data_path, halves_chat, halves_env, make_data
 from molt_train.quickstart.reward import HALVES, alphabet_half, reward
@@ -37,11 +37,27 @@ def run(runner, row, rollout_id="r0"):
 
 @pytest.mark.parametrize(
     "reply, half",
-    [("a", "a-m"), ("m", "a-m"), (" b", "a-m"), ("Ke", "a-m"), ("\n M", "a-m"),
-     ("n", "n-z"), ("sist", "n-z"), ("Z", "n-z"), ("x marks it", "n-z"),
-     ("", None), ("   ", None), ("7", None), ("?", None), ("<", None), ("é", None),
-     ("\ufffd", None), ("\u212a", None), ("\u017f", None)],
-)  # fmt: skip
+    [
+        ("a", "a-m"),
+        ("m", "a-m"),
+        (" b", "a-m"),
+        ("Ke", "a-m"),
+        ("\n M", "a-m"),
+        ("n", "n-z"),
+        ("sist", "n-z"),
+        ("Z", "n-z"),
+        ("x marks it", "n-z"),
+        ("", None),
+        ("   ", None),
+        ("7", None),
+        ("?", None),
+        ("<", None),
+        ("é", None),
+        ("\ufffd", None),
+        ("\u212a", None),
+        ("\u017f", None),
+    ],
+)
 def test_alphabet_half_reads_the_first_non_whitespace_character(reply, half):
     assert alphabet_half(reply) == half
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt_rollout.tiny_model import build_tiny_model
+from molt_rollout.engines.tiny_model import build_tiny_model
 from molt_train.packing import Sample, pack
 from molt_train.routing_replay import (
     install_replay_hooks,
@@ -113,5 +113,5 @@ def test_microbatch_routing_follows_the_token_layout():
     assert pack([Sample([1, 2], [0, 1])]).routing is None
     with pytest.raises(ValueError, match="routed_experts is set on some samples"):
         pack([samples[0], Sample([1, 2], [0, 1])])
-    with pytest.raises(ValueError, match="routed_experts has 3 rows for 2 tokens"):
+    with pytest.raises(ValueError, match="routed_experts has 3 entries for 2 tokens"):
         Sample([1, 2], [0, 1], routed_experts=a)

@@ -1,6 +1,6 @@
 """Run configuration: defaults are valid, bad combinations fail naming their flags, the CLI
-parses dotted flags, booleans and config files, and docs/flags.md is generated from what the CLI
-reads."""
+parses dotted flags, booleans and config files, and docs/reference/flags.md is generated from
+what the CLI reads."""
 
 import dataclasses
 import json
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from molt_train.cli import QUICKSTART, flag_rows, flags_markdown, parse
-from molt_train.config import RunConfig, adapter_serving, validate_run_config
+from molt_train.config import RunConfig, adapter_serving
+from molt_train.validate import validate_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,88 +32,211 @@ def _cfg(argv: list[str]) -> RunConfig:
 @pytest.mark.parametrize(
     "argv, flags",
     [
-        (["--rollout.n_samples_per_prompt", "1"],
-         ["--algo.advantage.estimator", "--rollout.n_samples_per_prompt"]),
-        (["--algo.advantage.is_correction_level", "off"],
-         ["--algo.advantage.is_correction_level", "--train.force_on_policy"]),
+        (
+            ["--rollout.n_samples_per_prompt", "1"],
+            ["--algo.advantage.estimator", "--rollout.n_samples_per_prompt"],
+        ),
+        (
+            ["--algo.advantage.is_correction_level", "off"],
+            ["--algo.advantage.is_correction_level", "--train.force_on_policy"],
+        ),
         (["--rollout.top_p", "0.9"], ["--algo.advantage.is_correction_level", "--rollout.top_p"]),
-        (["--train.force_on_policy", "True", "--train.epochs_per_batch", "2"],
-         ["--train.force_on_policy", "--train.epochs_per_batch"]),
-        (["--train.force_on_policy", "True", "--train.mini_batches", "2"],
-         ["--train.force_on_policy", "--train.mini_batches"]),
-        (["--vllm.enable_return_routed_experts", "True", "--vllm.mtp_num_speculative_tokens", "2"],
-         ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"]),
+        (
+            ["--train.force_on_policy", "True", "--train.epochs_per_batch", "2"],
+            ["--train.force_on_policy", "--train.epochs_per_batch"],
+        ),
+        (
+            ["--train.force_on_policy", "True", "--train.mini_batches", "2"],
+            ["--train.force_on_policy", "--train.mini_batches"],
+        ),
+        (
+            [
+                "--vllm.enable_return_routed_experts",
+                "True",
+                "--vllm.mtp_num_speculative_tokens",
+                "2",
+            ],
+            ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"],
+        ),
         (["--eval.n_samples", "0"], ["--eval.n_samples"]),
-        (["--train.routing_replay", "True"],
-         ["--train.routing_replay", "--vllm.enable_return_routed_experts"]),
-        (["--train.routing_replay", "True", "--vllm.enable_return_routed_experts", "True",
-          "--vllm.mtp_num_speculative_tokens", "2"],
-         ["--train.routing_replay", "--vllm.mtp_num_speculative_tokens"]),
-        (["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
-         ["--rollout.groups_per_batch", "--train.mini_batches"]),
+        (
+            ["--train.routing_replay", "True"],
+            ["--train.routing_replay", "--vllm.enable_return_routed_experts"],
+        ),
+        (
+            [
+                "--train.routing_replay",
+                "True",
+                "--vllm.enable_return_routed_experts",
+                "True",
+                "--vllm.mtp_num_speculative_tokens",
+                "2",
+            ],
+            ["--vllm.enable_return_routed_experts", "--vllm.mtp_num_speculative_tokens"],
+        ),
+        (
+            ["--rollout.groups_per_batch", "6", "--train.mini_batches", "4"],
+            ["--rollout.groups_per_batch", "--train.mini_batches"],
+        ),
         (["--algo.kl.loss_coef", "0.1"], ["--ref.enable"]),
         (["--train.async_queue_size", "-1"], ["--train.async_queue_size"]),
         (["--train.max_staleness", "-1"], ["--train.max_staleness"]),
         (["--algo.advantage.is_correction_threshold", "1.0"], ["threshold"]),
         (["--algo.advantage.is_correction_gating", "tv"], ["gating", "level 'seq'"]),
-        (["--reward.overlong_buffer_len", "4"],
-         ["--reward.overlong_buffer_len", "--reward.max_response_len", "--rollout.max_tokens"]),
-        (["--reward.overlong_buffer_len", "4", "--rollout.max_tokens", "2"],
-         ["--reward.", "overlong_buffer_len=4", "max_response_len=2"]),
+        (
+            ["--reward.overlong_buffer_len", "4"],
+            ["--reward.overlong_buffer_len", "--reward.max_response_len", "--rollout.max_tokens"],
+        ),
+        (
+            ["--reward.overlong_buffer_len", "4", "--rollout.max_tokens", "2"],
+            ["--reward.", "overlong_buffer_len=4", "max_response_len=2"],
+        ),
         (["--reward.stop_properly_penalty_coef", "1.5"], ["--reward.", "stop_properly"]),
         (["--ckpt.best_metric", "rollout/reward_mean"], ["--ckpt.best_metric", "eval/"]),
         (["--algo.score_centering"], ["--algo.score_centering", "--rollout.top_logprobs"]),
-        (["--algo.score_centering", "--rollout.top_logprobs", "4",
-          "--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
-          "mask"], ["--algo.score_centering", "--algo.advantage.is_correction_level"]),
-        (["--algo.score_centering", "--rollout.top_logprobs", "4", "--fsdp.tp_size", "2"],
-         ["--algo.score_centering", "--fsdp.tp_size"]),
-        (["--algo.score_centering", "--rollout.top_logprobs", "4", "--actor.num_workers", "2",
-          "--fsdp.cp_size", "2"], ["--algo.score_centering", "--fsdp.cp_size"]),
-        (["--train.routing_replay", "True", "--vllm.enable_return_routed_experts", "True",
-          "--actor.num_workers", "2", "--fsdp.cp_size", "2"],
-         ["--train.routing_replay", "--fsdp.cp_size"]),
+        (
+            [
+                "--algo.score_centering",
+                "--rollout.top_logprobs",
+                "4",
+                "--algo.advantage.is_correction_level",
+                "seq",
+                "--algo.advantage.is_correction_mode",
+                "mask",
+            ],
+            ["--algo.score_centering", "--algo.advantage.is_correction_level"],
+        ),
+        (
+            ["--algo.score_centering", "--rollout.top_logprobs", "4", "--fsdp.tp_size", "2"],
+            ["--algo.score_centering", "--fsdp.tp_size"],
+        ),
+        (
+            [
+                "--algo.score_centering",
+                "--rollout.top_logprobs",
+                "4",
+                "--actor.num_workers",
+                "2",
+                "--fsdp.cp_size",
+                "2",
+            ],
+            ["--algo.score_centering", "--fsdp.cp_size"],
+        ),
+        (
+            [
+                "--train.routing_replay",
+                "True",
+                "--vllm.enable_return_routed_experts",
+                "True",
+                "--actor.num_workers",
+                "2",
+                "--fsdp.cp_size",
+                "2",
+            ],
+            ["--train.routing_replay", "--fsdp.cp_size"],
+        ),
         (["--rollout.top_logprobs", "21"], ["--rollout.top_logprobs"]),
-        (["--actor.num_workers", "2", "--fsdp.cp_size", "2", "--ref.enable"],
-         ["--ref.num_workers 1", "--fsdp.cp_size 2"]),
-        (["--algo.advantage.estimator", "gae", "--actor.num_workers", "2", "--fsdp.cp_size", "2",
-          "--critic.num_workers", "3"], ["--critic.num_workers 3"]),
+        (
+            ["--actor.num_workers", "2", "--fsdp.cp_size", "2", "--ref.enable"],
+            ["--ref.num_workers 1", "--fsdp.cp_size 2"],
+        ),
+        (
+            [
+                "--algo.advantage.estimator",
+                "gae",
+                "--actor.num_workers",
+                "2",
+                "--fsdp.cp_size",
+                "2",
+                "--critic.num_workers",
+                "3",
+            ],
+            ["--critic.num_workers 3"],
+        ),
         (["--ckpt.best_metric", "eval/pass@1"], ["--ckpt.best_metric", "--eval.every_steps"]),
-        (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
-          "mask", "--algo.advantage.is_correction_gating", "tv"], ["threshold", "(0, 1)"]),
+        (
+            [
+                "--algo.advantage.is_correction_level",
+                "seq",
+                "--algo.advantage.is_correction_mode",
+                "mask",
+                "--algo.advantage.is_correction_gating",
+                "tv",
+            ],
+            ["threshold", "(0, 1)"],
+        ),
         (["--data.train_files"], ["--data.train_files"]),
         (["--refit.backend", "molt_ipc"], ["--refit.backend molt_ipc", "--train.colocate"]),
         (["--vllm.enable_sleep_mode"], ["--vllm.enable_sleep_mode", "--train.colocate"]),
         (["--train.colocate", "--refit.backend", "nccl"], ["--train.colocate", "--refit.backend"]),
-        (["--train.colocate", "--vllm.enable_sleep_mode"],
-         ["--vllm.enable_sleep_mode", "--train.partial_rollout_enable False"]),
-        (["--train.colocate", "--vllm.num_engines", "2"],
-         ["--train.colocate", "--vllm.num_engines equal to", "--vllm.engines_per_gpu",
-          "--vllm.tensor_parallel_size 1"]),
-        (["--train.colocate", "--vllm.num_engines", "4", "--vllm.engines_per_gpu", "2"],
-         ["--train.colocate", "--vllm.num_engines equal to", "--vllm.engines_per_gpu"]),
-        (["--train.colocate", "--vllm.tensor_parallel_size", "2"],
-         ["--train.colocate", "--vllm.tensor_parallel_size 1"]),
+        (
+            ["--train.colocate", "--vllm.enable_sleep_mode"],
+            ["--vllm.enable_sleep_mode", "--train.partial_rollout_enable False"],
+        ),
+        (
+            ["--train.colocate", "--vllm.num_engines", "2"],
+            [
+                "--train.colocate",
+                "--vllm.num_engines equal to",
+                "--vllm.engines_per_gpu",
+                "--vllm.tensor_parallel_size 1",
+            ],
+        ),
+        (
+            ["--train.colocate", "--vllm.num_engines", "4", "--vllm.engines_per_gpu", "2"],
+            ["--train.colocate", "--vllm.num_engines equal to", "--vllm.engines_per_gpu"],
+        ),
+        (
+            ["--train.colocate", "--vllm.tensor_parallel_size", "2"],
+            ["--train.colocate", "--vllm.tensor_parallel_size 1"],
+        ),
         (["--vllm.max_restarts", "0"], ["--vllm.max_restarts"]),
         (["--vllm.ray_resources", "engine_node", "0"], ["--vllm.ray_resources"]),
         (["--actor.ray_resources", "trainer_node", "-1"], ["--actor.ray_resources"]),
-        (["--train.colocate", "--vllm.ray_resources", "engine_node", "1"],
-         ["--train.colocate", "--vllm.ray_resources"]),
+        (
+            ["--train.colocate", "--vllm.ray_resources", "engine_node", "1"],
+            ["--train.colocate", "--vllm.ray_resources"],
+        ),
         (["--actor.lora.rank", "-1"], ["--actor.lora.rank"]),
-        (["--actor.lora.rank", "8", "--actor.lora.target_modules", "*.q_proj", "lm_head"],
-         ["--actor.lora.target_modules", "lm_head"]),
+        (
+            ["--actor.lora.rank", "8", "--actor.lora.target_modules", "*.q_proj", "lm_head"],
+            ["--actor.lora.target_modules", "lm_head"],
+        ),
         (["--actor.lora.refit", "adapter"], ["--actor.lora.refit adapter", "--actor.lora.rank"]),
-        (["--actor.lora.rank", "1024", "--actor.lora.refit", "adapter"],
-         ["--actor.lora.refit adapter", "--actor.lora.rank 1024", "512"]),
-        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--train.max_staleness",
-          "None"], ["--actor.lora.refit adapter", "--train.max_staleness"]),
-        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--refit.report_unupdated"],
-         ["--refit.report_unupdated", "--actor.lora.refit"]),
-        (["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--train.colocate",
-          "--vllm.enable_sleep_mode", "--train.partial_rollout_enable", "False"],
-         ["--vllm.enable_sleep_mode", "--actor.lora.refit adapter"]),
+        (
+            ["--actor.lora.rank", "1024", "--actor.lora.refit", "adapter"],
+            ["--actor.lora.refit adapter", "--actor.lora.rank 1024", "512"],
+        ),
+        (
+            [
+                "--actor.lora.rank",
+                "8",
+                "--actor.lora.refit",
+                "adapter",
+                "--train.max_staleness",
+                "None",
+            ],
+            ["--actor.lora.refit adapter", "--train.max_staleness"],
+        ),
+        (
+            ["--actor.lora.rank", "8", "--actor.lora.refit", "adapter", "--refit.report_unupdated"],
+            ["--refit.report_unupdated", "--actor.lora.refit"],
+        ),
+        (
+            [
+                "--actor.lora.rank",
+                "8",
+                "--actor.lora.refit",
+                "adapter",
+                "--train.colocate",
+                "--vllm.enable_sleep_mode",
+                "--train.partial_rollout_enable",
+                "False",
+            ],
+            ["--vllm.enable_sleep_mode", "--actor.lora.refit adapter"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_combinations_name_their_flags(argv, flags):
     with pytest.raises(ValueError) as error:
         validate_run_config(_cfg(argv))
@@ -123,14 +247,33 @@ def test_bad_combinations_name_their_flags(argv, flags):
 def test_adapter_refit_sets_the_engines_lora_serving():
     """One owner: the engines' LoRA settings follow --actor.lora.* and the staleness bound."""
     assert adapter_serving(_cfg(["--actor.lora.rank", "8"])) is None  # merged: plain engines
-    serving = adapter_serving(_cfg(["--actor.lora.rank", "12", "--actor.lora.refit", "adapter",
-                                    "--train.max_staleness", "3"]))  # fmt: skip
+    serving = adapter_serving(
+        _cfg(
+            [
+                "--actor.lora.rank",
+                "12",
+                "--actor.lora.refit",
+                "adapter",
+                "--train.max_staleness",
+                "3",
+            ]
+        )
+    )
     assert (serving.rank, serving.keep) == (12, 4)  # versions t-3 .. t can still be trained
     args = serving.server_args()
     assert args[args.index("--max-lora-rank") + 1] == "16"  # vLLM's next allowed rank
     assert args[args.index("--max-loras") + 1] == "4"
-    forced = _cfg(["--actor.lora.rank", "8", "--actor.lora.refit", "adapter",
-                   "--train.force_on_policy", "--train.max_staleness", "None"])  # fmt: skip
+    forced = _cfg(
+        [
+            "--actor.lora.rank",
+            "8",
+            "--actor.lora.refit",
+            "adapter",
+            "--train.force_on_policy",
+            "--train.max_staleness",
+            "None",
+        ]
+    )
     validate_run_config(forced)  # on-policy: the bound is 0 whatever max_staleness says
     assert adapter_serving(forced).keep == 1
     cfg = _cfg(["--actor.lora.rank", "8", "--actor.lora.refit", "adapter"])
@@ -145,8 +288,16 @@ def test_the_overlong_budget_comes_from_the_rollout_limits():
     cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8"])
     validate_run_config(cfg)
     assert resolved_reward(cfg).max_response_len == 8
-    cfg = _cfg(["--reward.overlong_buffer_len", "2", "--rollout.max_tokens", "8",
-                "--rollout.max_response_tokens", "6"])  # fmt: skip
+    cfg = _cfg(
+        [
+            "--reward.overlong_buffer_len",
+            "2",
+            "--rollout.max_tokens",
+            "8",
+            "--rollout.max_response_tokens",
+            "6",
+        ]
+    )
     assert resolved_reward(cfg).max_response_len == 6
     cfg = _cfg(["--reward.overlong_buffer_len", "2", "--reward.max_response_len", "5"])
     assert resolved_reward(cfg).max_response_len == 5
@@ -154,13 +305,21 @@ def test_the_overlong_budget_comes_from_the_rollout_limits():
 
 
 def test_aggregation_is_selectable_per_loss():
-    cfg = _cfg(["--algo.aggregation", "prompt-mean-token-mean",
-                "--algo.kl_aggregation", "seq-mean-token-sum"])  # fmt: skip
+    cfg = _cfg(
+        [
+            "--algo.aggregation",
+            "prompt-mean-token-mean",
+            "--algo.kl_aggregation",
+            "seq-mean-token-sum",
+        ]
+    )
     algo = cfg.algo
     assert [algo.aggregation_of(x) for x in ("policy", "entropy", "kl", "value")] == [
-        "prompt-mean-token-mean", "prompt-mean-token-mean", "seq-mean-token-sum",
         "prompt-mean-token-mean",
-    ]  # fmt: skip
+        "prompt-mean-token-mean",
+        "seq-mean-token-sum",
+        "prompt-mean-token-mean",
+    ]
     assert algo.aggregations() == {"prompt-mean-token-mean", "seq-mean-token-sum"}
     with pytest.raises(SystemExit):
         _cfg(["--algo.entropy_aggregation", "mean"])
@@ -173,11 +332,19 @@ def test_force_on_policy_needs_no_is_correction():
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--algo.advantage.estimator", "nope"), ("--algo.policy_loss", "nope"),
-     ("--rollout.stale_policy", "nope"), ("--fsdp.offload", "params"),
-     ("--actor.optim.schedule", "step"), ("--actor.dtype", "fp8"), ("--router.policy", "x"),
-     ("--refit.backend", "gloo"), ("--logger.wandb_mode", "on"), ("--rollout.parser", "x")],
-)  # fmt: skip
+    [
+        ("--algo.advantage.estimator", "nope"),
+        ("--algo.policy_loss", "nope"),
+        ("--rollout.stale_policy", "nope"),
+        ("--fsdp.offload", "params"),
+        ("--actor.optim.schedule", "step"),
+        ("--actor.dtype", "fp8"),
+        ("--router.policy", "x"),
+        ("--refit.backend", "gloo"),
+        ("--logger.wandb_mode", "on"),
+        ("--rollout.parser", "x"),
+    ],
+)
 def test_choices_are_checked_by_the_cli(flag, value, capsys):
     with pytest.raises(SystemExit):
         parse([flag, value])
@@ -186,10 +353,15 @@ def test_choices_are_checked_by_the_cli(flag, value, capsys):
 
 @pytest.mark.parametrize(
     "argv, expected",
-    [(["--train.force_on_policy"], True), (["--train.force_on_policy", "true"], True),
-     (["--train.force_on_policy", "True"], True), (["--train.force_on_policy=false"], False),
-     (["--no-train.force_on_policy"], False), (["--train.force_on_policy", "False"], False)],
-)  # fmt: skip
+    [
+        (["--train.force_on_policy"], True),
+        (["--train.force_on_policy", "true"], True),
+        (["--train.force_on_policy", "True"], True),
+        (["--train.force_on_policy=false"], False),
+        (["--no-train.force_on_policy"], False),
+        (["--train.force_on_policy", "False"], False),
+    ],
+)
 def test_booleans_take_every_spelling(argv, expected):
     cfg = parse([*argv, "--algo.advantage.is_correction_level", "off"])
     assert cfg.train.force_on_policy is expected
@@ -219,8 +391,15 @@ def test_engines_sharing_gpus_count_each_gpu_once():
     validate_run_config(cfg, cluster_gpus=4)  # 2 trainer GPUs + 4 engines on 2
     with pytest.raises(ValueError, match="asks for 4 GPUs.*engines_per_gpu.*has 3"):
         validate_run_config(cfg, cluster_gpus=3)
-    two = ["--train.colocate", "--actor.num_workers", "1", "--vllm.num_engines", "2",
-           "--vllm.engines_per_gpu", "2"]  # fmt: skip
+    two = [
+        "--train.colocate",
+        "--actor.num_workers",
+        "1",
+        "--vllm.num_engines",
+        "2",
+        "--vllm.engines_per_gpu",
+        "2",
+    ]
     validate_run_config(_cfg(two), cluster_gpus=1)  # both engines beside rank 0
     with pytest.raises(ValueError, match="--vllm.engines_per_gpu 2 places engines on GPUs"):
         validate_run_config(_cfg(two[1:]), cluster_gpus=0)
@@ -254,9 +433,20 @@ def test_device_checks_wait_for_the_cluster():
 
 
 def test_dotted_flags_reach_nested_fields():
-    cfg = _cfg(["--algo.advantage.estimator", "rloo", "--actor.optim.lr", "3e-4",
-                "--fsdp.offload", "optimizer", "--data.apply_chat_template", "False",
-                "--train.max_staleness", "None"])  # fmt: skip
+    cfg = _cfg(
+        [
+            "--algo.advantage.estimator",
+            "rloo",
+            "--actor.optim.lr",
+            "3e-4",
+            "--fsdp.offload",
+            "optimizer",
+            "--data.apply_chat_template",
+            "False",
+            "--train.max_staleness",
+            "None",
+        ]
+    )
     assert cfg.algo.advantage.estimator == "rloo"
     assert cfg.actor.optim.lr == 3e-4
     assert cfg.fsdp.offload == "optimizer"
@@ -265,19 +455,32 @@ def test_dotted_flags_reach_nested_fields():
 
 
 def _molt_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "molt_train.cli", *args], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "molt_train.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_lists_every_flag_with_its_default():
     out = _molt_train("--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
-    for flag in ("--algo.advantage.estimator", "--algo.advantage.is_correction_level",
-                 "--algo.dynamic_filtering_enable", "--actor.optim.lr", "--fsdp.tp_size",
-                 "--vllm.num_engines", "--rollout.n_samples_per_prompt", "--train.agent_path",
-                 "--train.force_on_policy", "--data.apply_chat_template", "--eval.every_steps",
-                 "--ckpt.keep_last", "--logger.wandb_mode", "--ref.enable", "--critic.num_workers"):  # fmt: skip
+    for flag in (
+        "--algo.advantage.estimator",
+        "--algo.advantage.is_correction_level",
+        "--algo.dynamic_filtering_enable",
+        "--actor.optim.lr",
+        "--fsdp.tp_size",
+        "--vllm.num_engines",
+        "--rollout.n_samples_per_prompt",
+        "--train.agent_path",
+        "--train.force_on_policy",
+        "--data.apply_chat_template",
+        "--eval.every_steps",
+        "--ckpt.keep_last",
+        "--logger.wandb_mode",
+        "--ref.enable",
+        "--critic.num_workers",
+    ):
         assert flag in text, flag
     assert "(default: grpo)" in text
 
@@ -293,7 +496,7 @@ def test_bad_flags_fail_fast_without_starting_anything():
 
 
 def test_flags_doc_is_generated_from_the_dataclasses():
-    doc = (ROOT / "docs" / "flags.md").read_text()
+    doc = (ROOT / "docs" / "reference" / "flags.md").read_text()
     assert doc == flags_markdown(), "regenerate: python -m molt_train.cli flags-doc"
 
 
@@ -323,11 +526,13 @@ def test_config_file_then_flags(tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("[actor]\nlrr = 1\n", "'actor.lrr' is not a setting"),
-     ("[actor.optim]\nlr = 'fast'\n", "--actor.optim.lr"),
-     ("actor = 3\n", "'actor' is a group"),
-     ("[actor\n", "cannot be read")],
-)  # fmt: skip
+    [
+        ("[actor]\nlrr = 1\n", "'actor.lrr' is not a setting"),
+        ("[actor.optim]\nlr = 'fast'\n", "--actor.optim.lr"),
+        ("actor = 3\n", "'actor' is a group"),
+        ("[actor\n", "cannot be read"),
+    ],
+)
 def test_bad_config_files_name_the_key(tmp_path, capsys, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -338,8 +543,18 @@ def test_bad_config_files_name_the_key(tmp_path, capsys, text, message):
 
 def test_resolved_config_json_loads_back(tmp_path):
     """A run directory's config.json (written with dataclasses.asdict) reproduces the config."""
-    cfg = parse([*QUICKSTART, "--rollout.chat_template_kwargs", "enable_thinking", "False",
-                 "--data.train_weights", "1.0", "--actor.model_path", "/models/x"])  # fmt: skip
+    cfg = parse(
+        [
+            *QUICKSTART,
+            "--rollout.chat_template_kwargs",
+            "enable_thinking",
+            "False",
+            "--data.train_weights",
+            "1.0",
+            "--actor.model_path",
+            "/models/x",
+        ]
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     assert parse(["--config", str(path)]) == cfg
@@ -348,7 +563,7 @@ def test_resolved_config_json_loads_back(tmp_path):
 def test_every_command_line_in_the_docs_parses():
     """Each `molt-train ...` command in a docs code block is accepted by the CLI as written."""
     commands = []
-    for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+    for page in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]:
         for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.S):
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split("#")[0].strip()
@@ -373,7 +588,7 @@ def test_docs_name_only_flags_that_exist():
 
     flags = {row[0] for row in flag_rows(RunConfig) + flag_rows(SFTConfig)}
     unknown = []
-    for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+    for page in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]:
         for mention in re.findall(r"--[a-z_]+\.[a-z_.]*[a-z_]", page.read_text()):
             if not any(flag == mention or flag.startswith(mention) for flag in flags):
                 unknown.append(f"{page.name}: {mention}")
@@ -382,13 +597,15 @@ def test_docs_name_only_flags_that_exist():
 
 def test_dynamic_filter_keeps_groups_whose_scores_differ():
     from molt_capture.types import Rollout
-    from molt_rollout.pool import GroupResult, PromptTask
-    from molt_train.loop import keep_informative_group
+    from molt_rollout.agents.pool import GroupResult, PromptTask
+    from molt_train.run import keep_informative_group
 
     def group(*scores, rewards=None):
         rewards = rewards or scores
-        rollouts = [Rollout([], reward=r, rollout_id=f"r{i}", group_id="p0", score=s)
-                    for i, (r, s) in enumerate(zip(rewards, scores, strict=True))]  # fmt: skip
+        rollouts = [
+            Rollout([], reward=r, rollout_id=f"r{i}", group_id="p0", score=s)
+            for i, (r, s) in enumerate(zip(rewards, scores, strict=True))
+        ]
         return GroupResult(PromptTask(0, {}, "p0", len(scores)), rollouts)
 
     assert keep_informative_group(group(0.0, 1.0, 1.0))
@@ -428,7 +645,9 @@ def test_a_worker_out_of_gpu_memory_is_named_with_the_flags_that_fit(
         cli.main(["quickstart"])
     assert exit_.value.code == 1
     said = capsys.readouterr().err.splitlines()
-    assert said[0] == ("molt-train: a model ran out of GPU memory: "
-                       "CUDA out of memory. Tried to allocate 594.00 MiB.")  # fmt: skip
+    assert said[0] == (
+        "molt-train: a model ran out of GPU memory: "
+        "CUDA out of memory. Tried to allocate 594.00 MiB."
+    )
     assert said[1:] == [cli.OUT_OF_MEMORY]
     assert "--actor.gradient_checkpointing" in said[1] and "--vllm.enable_sleep_mode" in said[1]

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from molt_train.loop import start_concurrently
+from molt_train.run import start_concurrently
 
 
 class Part:
@@ -34,7 +34,11 @@ def test_builders_run_while_the_rollout_starts():
         start_rollout, build_runners, lambda: Part("policy", log), lambda: None
     )
     assert (rollout.name, runners.name, policy.name, reference) == (
-        "rollout", "runners", "policy", None)  # fmt: skip
+        "rollout",
+        "runners",
+        "policy",
+        None,
+    )
     assert log == []
 
 
@@ -45,8 +49,9 @@ def test_a_failing_builder_shuts_down_what_was_started():
         raise RuntimeError("policy failed")
 
     with pytest.raises(RuntimeError, match="policy failed"):
-        start_concurrently(lambda: Part("rollout", log), lambda: Part("runners", log),
-                           lambda: None, failing_policy)  # fmt: skip
+        start_concurrently(
+            lambda: Part("rollout", log), lambda: Part("runners", log), lambda: None, failing_policy
+        )
     assert log == ["runners shut down", "rollout shut down"]
 
 
@@ -57,6 +62,7 @@ def test_a_failing_rollout_shuts_down_the_built_parts():
         raise RuntimeError("engine 0 exited")
 
     with pytest.raises(RuntimeError, match="engine 0 exited"):
-        start_concurrently(failing_rollout, lambda: Part("runners", log),
-                           lambda: Part("policy", log))  # fmt: skip
+        start_concurrently(
+            failing_rollout, lambda: Part("runners", log), lambda: Part("policy", log)
+        )
     assert log == ["runners shut down", "policy shut down"]

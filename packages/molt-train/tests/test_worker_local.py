@@ -1,6 +1,6 @@
-"""ModelWorker methods on CPU without a process group or Ray: the refit/export gather, the
-log-prob inputs under autocast, the entropy term of the policy loss, and a microbatch's loss
-reading nothing back to the host."""
+"""ModelWorker and WeightsOut on CPU without a process group or Ray: the refit/export gather,
+the log-prob inputs under autocast, the entropy term of the policy loss, and a microbatch's
+loss reading nothing back to the host."""
 
 import pytest
 import torch
@@ -8,18 +8,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import molt_algos.logprobs as logprobs_module
 import molt_train.token_stats as token_stats
-from molt_algos import AggregationWindow, aggregate
+from molt_algos import AggregationWindow, AlgoConfig
 from molt_train.actor_config import ActorConfig, FSDPConfig
-from molt_train.config import AlgoConfig
 from molt_train.model_worker import ModelWorker
 from molt_train.packing import Sample, pack
-from molt_train.weights_out import _unconverted_names
+from molt_train.weights_out import WeightsOut
 
 
 def load(tmp_path, moe=False):
     from transformers import AutoModelForCausalLM
 
-    from molt_rollout.tiny_model import build_tiny_model
+    from molt_rollout.engines.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "tiny", moe=moe)
     return AutoModelForCausalLM.from_pretrained(
@@ -32,8 +31,13 @@ def worker_over(model) -> ModelWorker:
     worker = ModelWorker(
         ActorConfig(logprob_chunk_size=4), FSDPConfig(), "policy", 0, 1, on_gpu=False
     )
-    worker.model, worker.device, worker.autocast = model, torch.device("cpu"), False
+    worker.model = model
     return worker
+
+
+def weights_of(model) -> WeightsOut:
+    """The weights of a plain (unsharded) module: its gathers need no collectives."""
+    return WeightsOut(model, torch.device("cpu"), 0, "", torch.float32)
 
 
 def per_tensor_gather(model, dtype):
@@ -48,14 +52,15 @@ def per_tensor_gather(model, dtype):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_gather_matches_one_conversion_call_per_tensor(tmp_path, moe, dtype):
     model = load(tmp_path, moe)
-    got = list(worker_over(model).named_full_tensors(dtype))
+    weights = weights_of(model)
+    got = list(weights.named_full_tensors(dtype))
     want = list(per_tensor_gather(model, dtype or torch.float32))
     assert [name for name, _ in got] == [name for name, _ in want]
     for (name, tensor), (_, expected) in zip(got, want, strict=True):
         assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
 
     # The dense model converts nothing; the MoE one splits its fused experts per expert.
-    as_is = _unconverted_names(model, model.state_dict())
+    as_is = weights.unconverted
     fused = {name for name in model.state_dict() if ".mlp.experts." in name}
     assert as_is == set(model.state_dict()) - fused
     assert bool(fused) == moe
@@ -100,8 +105,7 @@ def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, 
     reaches it); `loss/entropy` is reported either way."""
     model = load(tmp_path)
     worker = worker_over(model)
-    batch = pack(samples(model.config.vocab_size))
-    batch.fields["old_logprobs"] = None  # on-policy
+    batch = pack(samples(model.config.vocab_size))  # on-policy: no old log-probs
     grads_of_entropy = []
     original = logprobs_module._coefficients
 
@@ -111,14 +115,11 @@ def test_entropy_gets_a_gradient_only_with_a_coefficient(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(logprobs_module, "_coefficients", spy)
 
-    def reduce(per_token, mask, loss):
-        return (per_token * mask).sum() / mask.sum()
-
     algo = AlgoConfig(aggregation="token-mean", entropy_coef=entropy_coef)
-    loss, _, stats, _ = worker._policy_loss(batch, reduce, algo, sft=False)
-    loss.backward()
+    objective = worker._objective(batch, algo, AggregationWindow(), sft=False, value_clip=None)
+    objective.loss.backward()
     assert (grads_of_entropy[0] is None) == (entropy_coef == 0)
-    assert stats["loss/entropy"] > 0
+    assert objective.per_token["loss/entropy"] > 0
 
 
 class HostReads(TorchDispatchMode):
@@ -137,8 +138,8 @@ class HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
 def test_a_microbatch_loss_reads_nothing_back_to_the_host(tmp_path, monkeypatch, policy_loss):
     """Between a microbatch's forward and the end of its backward nothing is read back (item,
-    tolist, nonzero): each read would make a GPU step wait mid-step (docs/benchmarks.md,
-    after-8). Covered: every policy loss's metrics, the one-step path's IS weights (rollout
+    tolist, nonzero): each read would make a GPU step wait mid-step (docs/performance.md).
+    Covered: every policy loss's metrics, the one-step path's IS weights (rollout
     log-probs, no old ones) and score centering; the step reads all metrics once, after the
     optimizer. (The forward is run before: on CPU transformers' SDPA path checks the position
     ids for packing on the host; the GPU's document attention skips that check.)"""
@@ -153,17 +154,15 @@ def test_a_microbatch_loss_reads_nothing_back_to_the_host(tmp_path, monkeypatch,
     algo = AlgoConfig(aggregation="token-mean", policy_loss=policy_loss, score_centering=True,
                       entropy_coef=0.01)  # fmt: skip
 
-    def reduce(per_token, mask, loss):
-        return aggregate(per_token, mask, "token-mean", window=AggregationWindow())
-
-    forward = worker._token_stats(batch, True, batch.head_ids)
-    monkeypatch.setattr(worker, "_token_stats", lambda *args: forward)
+    forward = worker._token_stats(batch, True)
+    monkeypatch.setattr(worker, "_token_stats", lambda *args, **kwargs: forward)
     listed = []
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: listed.append(1) or original(t))
     with HostReads() as reads:
-        loss, totals, stats, _ = worker._policy_loss(batch, reduce, algo, sft=False)
-        loss.backward()
+        objective = worker._objective(batch, algo, AggregationWindow(), sft=False, value_clip=None)
+        objective.loss.backward()
     assert reads.seen == [] and listed == []
+    stats = objective.per_token
     assert "loss/centering_head_mass" in stats and "loss/clip_frac" in stats
     assert all(torch.is_tensor(v) for v in stats.values())

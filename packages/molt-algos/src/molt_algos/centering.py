@@ -1,18 +1,10 @@
 """Score centering: the policy gradient's score made zero-mean under the sampler's own head.
 
-A token's loss L_t reaches the parameters through its log-prob: dL_t = -c_t d log pi(y_t),
-c_t = -dL_t / d log pi(y_t) (A_t for REINFORCE, r_t A_t for unclipped PPO, 0 where clipped).
-Its score d log pi(y_t) has mean zero under pi, but y_t was drawn from the sampler mu (older
-weights, another kernel). Score centering subtracts the sampler's expected score over its
-top-K head H_t, with mu~ = mu renormalised over H_t:
-
-    d log pi(y_t)  ->  d log pi(y_t) - sum_{j in H_t} mu~(j) d log pi(j)
-
-On the logits z this is e_{y_t} - mu~ in place of e_{y_t} - pi: zero-mean under the sampler,
-whatever pi is. It is added to the loss as sg(c_t) * sum_j sg(mu~(j)) log pi(j) (minus its own value, so the
-loss reads the same), so it composes
-with per-token IS weights and any aggregation (both act on L_t and on the term alike).
-Formula and caveats: docs/algorithms.md.
+A token's loss reaches the parameters as c_t d log pi(y_t), a score of mean zero under pi; but
+y_t was drawn from the sampler mu. Centering subtracts the sampler's expected score over its
+top-K head (mu~: mu renormalised there), sum_j mu~(j) d log pi(j), as the loss term
+sg(c_t) * sum_j sg(mu~(j)) log pi(j) minus its own value: composes with IS weights and any
+aggregation. docs/concepts/algorithms.md.
 """
 
 import torch
@@ -20,8 +12,7 @@ from torch import Tensor
 
 from molt_algos.masked import masked_mean
 
-# The metrics `score_centering` returns (a trainer reports them on every rank, 0 where it had
-# nothing to centre, so that distributed reductions see the same keys everywhere).
+# The metrics `score_centering` returns (a trainer reports them as 0 where it centres nothing).
 CENTERING_METRICS = ("loss/centering_head_mass", "loss/centering_coef_mean")
 
 
@@ -32,19 +23,13 @@ def score_centering(
     sampler_head_logprobs: Tensor,
     mask: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`per_token` [B, T]: the policy loss (IS weights included), a function of `logprobs`
-    [B, T], the policy's log-probs of the sampled tokens. `head_logprobs` [B, T, K]: the
-    policy's log-probs of the sampler's top-K tokens at each position (differentiable);
-    `sampler_head_logprobs` [B, T, K]: the sampler's log-probs of the same tokens, -inf where
-    a position has fewer than K (or none). Returns the centred per-token loss and metrics:
-    `loss/centering_head_mass` (the sampler's probability mass its head covers, mean over
-    masked tokens with a head) and `loss/centering_coef_mean` (mean |c_t|)."""
+    """`per_token` [B, T]: the policy loss, a function of `logprobs` [B, T]; `head_logprobs`
+    [B, T, K]: the policy's log-probs of the sampler's top-K (differentiable); the sampler's own
+    `sampler_head_logprobs` are -inf where a position has fewer. Returns the centred loss and
+    `loss/centering_head_mass` (the head's sampler mass) and `loss/centering_coef_mean` (|c_t|)."""
     if head_logprobs.shape != sampler_head_logprobs.shape or head_logprobs.shape[:2] != mask.shape:
-        raise ValueError(
-            f"head log-probs {tuple(head_logprobs.shape)} and sampler head "
-            f"{tuple(sampler_head_logprobs.shape)} must both be [B, T, K] over mask "
-            f"{tuple(mask.shape)}"
-        )
+        shapes = [list(x.shape) for x in (head_logprobs, sampler_head_logprobs, mask)]
+        raise ValueError(f"head log-probs {shapes[0]}, {shapes[1]}: both [B, T, K], mask [B, T]")
     (grad,) = torch.autograd.grad(per_token.sum(), logprobs, retain_graph=True, allow_unused=True)
     coef = torch.zeros_like(per_token) if grad is None else -grad.detach()
     sampler = sampler_head_logprobs.detach().float()
@@ -57,7 +42,7 @@ def score_centering(
     # Value 0, gradient c_t * sum_j mu~(j) d log pi(j): the loss reads as before.
     term = torch.where(has_head, coef * (expected - expected.detach()), torch.zeros_like(expected))
     mass = torch.where(present, sampler.exp(), torch.zeros_like(sampler)).sum(-1)
-    metrics = {  # scalar tensors, read with the step's other metrics (losses.PolicyLoss)
+    metrics = {
         "loss/centering_head_mass": masked_mean(mass, has_head),
         "loss/centering_coef_mean": masked_mean(coef.abs(), mask),
     }

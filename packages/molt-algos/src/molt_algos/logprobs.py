@@ -1,8 +1,6 @@
-"""Per-token log-probabilities and entropy of the temperature-scaled distribution (the one vLLM
-samples from) without full-vocabulary float32 tensors: the forward walks tokens in blocks and
-keeps per-token values only; the backward recomputes each block's logits. On CUDA each block's
-elementwise work runs compiled, so no float32 block is ever written to memory. The formulas and
-the gradient derivation are in docs/algorithms.md ("Log-probabilities and entropy, chunked")."""
+"""Per-token log-probs and entropy of the temperature-scaled distribution vLLM samples from,
+without full-vocabulary float32 tensors: the forward walks tokens in blocks and keeps per-token
+values, the backward recomputes the logits. Derivation: docs/concepts/algorithms.md."""
 
 import functools
 import math
@@ -14,8 +12,8 @@ from torch import Tensor
 # Tokens per block. At V = 151,936 one float32 block of logits is 1024 · V · 4 B ≈ 0.6 GB.
 DEFAULT_CHUNK_SIZE = 1024
 # The backward's vocabulary slices are a multiple of this many columns wide: 16 bytes of bf16,
-# so cuBLAS gets aligned leading dimensions (odd widths fall back to align1 kernels, 0.2 s of
-# an 8K-token step on an H200; docs/benchmarks.md, "Trainer parity on one H200").
+# so cuBLAS gets aligned leading dimensions (odd widths fall back to slower align1 kernels:
+# docs/performance.md).
 SLICE_ALIGN = 8
 
 
@@ -27,45 +25,18 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log π(y_t) and entropy H_t of softmax(W h_t / τ) for each token, computed in blocks.
-
-    Args:
-        hidden: [..., H] final hidden states (after the last norm), any float dtype.
-        lm_head_weight: [V, H] output projection, same dtype and device as `hidden`.
-        target_ids: [...] token ids in [0, V), same leading shape as `hidden`.
-        temperature: τ > 0 that divides the logits.
-        chunk_size: tokens per forward block; the backward pass walks the vocabulary in slices
-            holding about the same number of logits (chunk_size · V / T columns for all T rows,
-            rounded up to a multiple of SLICE_ALIGN).
-        compute_entropy: when False, skip the entropy and return None in its place.
-
-    Returns:
-        (logprobs, entropy), float32 (float64 for float64 input) with shape [...]. Both carry
-        gradients to `hidden` and `lm_head_weight` (whichever require them); the gradient of the
-        weight is one matmul per vocabulary slice, so it is rounded to the weight's dtype once,
-        like autograd's.
-    """
-    _check_temperature_and_chunk(temperature, chunk_size)
-    if hidden.shape[-1] != lm_head_weight.shape[1] or lm_head_weight.dim() != 2:
+    """Log pi(y_t) and entropy H_t of softmax(W h_t / temperature) per token, from the final
+    hidden states [..., H] and the LM head W [V, H]: float32 (float64 for float64 input) of
+    shape [...]; the entropy None without `compute_entropy`."""
+    if lm_head_weight.dim() != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
         raise ValueError(
             f"hidden [..., {hidden.shape[-1]}] does not match lm_head_weight "
             f"{list(lm_head_weight.shape)} (expected [V, H])"
         )
     if hidden.dtype != lm_head_weight.dtype:
         raise ValueError(f"dtype mismatch: hidden {hidden.dtype}, weight {lm_head_weight.dtype}")
-    if target_ids.shape != hidden.shape[:-1]:
-        raise ValueError(f"target_ids {list(target_ids.shape)} vs hidden {list(hidden.shape)}")
-
-    leading = target_ids.shape
-    outputs = _HiddenLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        lm_head_weight,
-        target_ids.reshape(-1).long(),
-        float(temperature),
-        int(chunk_size),
-        compute_entropy,
-    )
-    return _shape_outputs(outputs, leading, compute_entropy)
+    inputs = (hidden, lm_head_weight)
+    return _apply(_HiddenLogprobs, inputs, target_ids, temperature, chunk_size, compute_entropy)
 
 
 def logprobs_from_logits(
@@ -75,64 +46,31 @@ def logprobs_from_logits(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log π(y_t) and entropy H_t of softmax(logits_t / τ), upcasting one block at a time.
-
-    For callers that already hold the logits (in bf16, say): no float32 copy of the whole
-    [..., V] tensor is ever made. The gradient of `logits` has its shape and dtype, as it would
-    with autograd.
-
-    Args:
-        logits: [..., V] raw logits, any float dtype.
-        target_ids: [...] token ids in [0, V).
-        temperature: τ > 0 that divides the logits.
-        chunk_size: tokens per block, in both the forward and the backward pass.
-        compute_entropy: when False, skip the entropy and return None in its place.
-
-    Returns:
-        (logprobs, entropy), float32 (float64 for float64 input) with shape [...].
-    """
-    _check_temperature_and_chunk(temperature, chunk_size)
-    if target_ids.shape != logits.shape[:-1]:
-        raise ValueError(f"target_ids {list(target_ids.shape)} vs logits {list(logits.shape)}")
-
-    leading = target_ids.shape
-    outputs = _LogitsLogprobs.apply(
-        logits.reshape(-1, logits.shape[-1]),
-        target_ids.reshape(-1).long(),
-        float(temperature),
-        int(chunk_size),
-        compute_entropy,
-    )
-    return _shape_outputs(outputs, leading, compute_entropy)
+    """The same from logits the caller holds ([..., V], any float dtype), upcast one block of
+    chunk_size tokens at a time in both passes: no float32 copy of the whole tensor."""
+    return _apply(_LogitsLogprobs, (logits,), target_ids, temperature, chunk_size, compute_entropy)
 
 
-def _check_temperature_and_chunk(temperature: float, chunk_size: int) -> None:
+def _apply(function, inputs, target_ids, temperature, chunk_size, compute_entropy):
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    leading = target_ids.shape
+    if leading != inputs[0].shape[:-1]:
+        raise ValueError(f"target_ids {list(leading)} vs inputs {list(inputs[0].shape)}")
+    flat = inputs[0].reshape(-1, inputs[0].shape[-1])
+    config = (float(temperature), int(chunk_size), compute_entropy)
+    logprobs, entropy = function.apply(flat, *inputs[1:], target_ids.reshape(-1).long(), *config)
+    return logprobs.view(leading), None if entropy is None else entropy.view(leading)
 
 
-def _shape_outputs(
-    outputs: Tensor | tuple[Tensor, Tensor], leading: torch.Size, compute_entropy: bool
-) -> tuple[Tensor, Tensor | None]:
-    if compute_entropy:
-        logprobs, entropy = outputs
-        return logprobs.view(leading), entropy.view(leading)
-    return outputs.view(leading), None
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """float32, or float64 for float64 input: never below float32, never a downcast."""
+def _compute_dtype(x: Tensor) -> torch.dtype:  # float32, or float64 for float64 input
     return torch.promote_types(x.dtype, torch.float32)
 
 
 def _fused(fn):
-    """`fn` compiled by Inductor for CUDA tensors, eager elsewhere. Compiled, each elementwise
-    pass over a block reads the low-precision logits once and keeps its float32 values in
-    registers; eager, every step writes a float32 block to memory (docs/benchmarks.md, "The
-    log-prob blocks compiled"). CPU runs eager, and nothing is compiled (or imported:
-    torch.compile's first call costs seconds) until a CUDA tensor comes."""
+    """`fn` compiled by Inductor for CUDA tensors (float32 values stay in registers), else eager."""
 
     @functools.cache
     def compiled():
@@ -172,9 +110,8 @@ def _block_stats(
 
 
 class _Coefficients(NamedTuple):
-    """Per-row terms a, c of ∂L/∂logits = p (a log p + c) + g 1[v = y] (docs/algorithms.md),
-    fixed for the whole backward; `a` is None without an entropy gradient. `at_target`, the
-    value at v = y computed in full precision from the saved log p, replaces the target column."""
+    """Per-row a, c of dL/dlogits = p (a log p + c) + g 1[v = y] (docs/concepts/algorithms.md);
+    `a` None without an entropy gradient; `at_target` (from the saved log p): the target column."""
 
     a: Tensor | None
     c: Tensor
@@ -202,11 +139,8 @@ def _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, temperature) -
 def _logit_grad(
     logits: Tensor, lse: Tensor, k: _Coefficients, target_cols: Tensor, temperature: float
 ) -> Tensor:
-    """∂L/∂logits for a block of raw logits [N, W], in their dtype.
-
-    `target_cols` is each row's target column within the block; rows whose target falls outside
-    it (a vocabulary slice) carry any out-of-range value and keep their computed value.
-    """
+    """dL/dlogits of a block of raw logits [N, W], in their dtype; `target_cols`: each row's
+    target column within the block (out of range where it lies in another vocabulary slice)."""
     logp = (logits.to(lse.dtype) / temperature).sub_(lse[:, None])  # fresh: in place from here
     if k.a is None:
         grad = logp.exp_().mul_(k.c[:, None])
@@ -222,51 +156,49 @@ def _logit_grad(
 
 
 def _slice_width(chunk_size: int, vocab: int, n_tokens: int) -> int:
-    """Columns per backward vocabulary slice: as many logits as a forward block holds, rounded
-    up to a multiple of SLICE_ALIGN (the whole vocabulary at most)."""
+    """Columns per backward vocabulary slice: a forward block's logits, aligned, <= vocab."""
     width = math.ceil(chunk_size * vocab / max(n_tokens, 1))
     return min(vocab, -(-width // SLICE_ALIGN) * SLICE_ALIGN)
 
 
-class _HiddenLogprobs(torch.autograd.Function):
-    """Forward over token blocks; backward over vocabulary slices, recomputing the logits.
+def _forward(ctx, block_logits, saved, targets, temperature, chunk_size, compute_entropy):
+    """Log p of the targets and entropy (or None) over blocks; `block_logits(rows)`: raw logits."""
+    lse = saved[0].new_empty(targets.shape[0], dtype=_compute_dtype(saved[0]))
+    logprobs = torch.empty_like(lse)
+    entropy = torch.empty_like(lse) if compute_entropy else None
+    for start in range(0, targets.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        lse[rows], logprobs[rows], block_entropy = _block_stats(
+            block_logits(rows), targets[rows], temperature, compute_entropy
+        )
+        if compute_entropy:
+            entropy[rows] = block_entropy
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*saved, targets, lse, logprobs, entropy)
+    ctx.temperature, ctx.chunk_size = temperature, chunk_size
+    return logprobs, entropy
 
-    Slicing the vocabulary in the backward pass means each slice of ∂L/∂W is one complete matmul
-    over all tokens (no low-precision accumulation across blocks), while ∂L/∂h, only [T, H],
-    is accumulated in float32.
-    """
+
+class _HiddenLogprobs(torch.autograd.Function):
+    """Backward over vocabulary slices: each slice of dL/dW is one matmul over all tokens (no
+    low-precision accumulation across blocks); dL/dh, only [T, H], accumulates in float32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, compute_entropy):
-        n_tokens = hidden.shape[0]
-        lse = hidden.new_empty(n_tokens, dtype=_compute_dtype(hidden))
-        logprobs = torch.empty_like(lse)
-        entropy = torch.empty_like(lse) if compute_entropy else None
-        for start in range(0, n_tokens, chunk_size):
-            rows = slice(start, start + chunk_size)
-            lse[rows], logprobs[rows], block_entropy = _block_stats(
-                hidden[rows] @ weight.T, targets[rows], temperature, compute_entropy
-            )
-            if compute_entropy:
-                entropy[rows] = block_entropy
-
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, targets, lse, logprobs, entropy)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        return (logprobs, entropy) if compute_entropy else logprobs
+    def forward(ctx, hidden, weight, targets, *config):
+        return _forward(
+            ctx, lambda rows: hidden[rows] @ weight.T, (hidden, weight), targets, *config
+        )
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy=None):
+    def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, lse, logprobs, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         k = _coefficients(grad_logprobs, grad_entropy, logprobs, entropy, ctx.temperature)
-        n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        width = _slice_width(ctx.chunk_size, vocab, n_tokens)
-
+        vocab = weight.shape[0]
+        width = _slice_width(ctx.chunk_size, vocab, hidden.shape[0])
         grad_hidden = torch.zeros_like(hidden, dtype=lse.dtype) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, width):
@@ -286,28 +218,12 @@ class _LogitsLogprobs(torch.autograd.Function):
     """Token blocks in both passes; only the logits themselves (the caller's) are kept."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_size, compute_entropy):
-        n_tokens = logits.shape[0]
-        lse = logits.new_empty(n_tokens, dtype=_compute_dtype(logits))
-        logprobs = torch.empty_like(lse)
-        entropy = torch.empty_like(lse) if compute_entropy else None
-        for start in range(0, n_tokens, chunk_size):
-            rows = slice(start, start + chunk_size)
-            lse[rows], logprobs[rows], block_entropy = _block_stats(
-                logits[rows], targets[rows], temperature, compute_entropy
-            )
-            if compute_entropy:
-                entropy[rows] = block_entropy
-
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, targets, lse, logprobs, entropy)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        return (logprobs, entropy) if compute_entropy else logprobs
+    def forward(ctx, logits, targets, *config):
+        return _forward(ctx, lambda rows: logits[rows], (logits,), targets, *config)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy=None):
+    def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lse, logprobs, entropy = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None

@@ -1,14 +1,7 @@
-"""Length shaping: rollout rewards rewritten by response length before advantages.
-
-Two rules, both per rollout (one scalar each), applied in this order:
-  stop-properly (ProRL)  a truncated rollout (cut by a token or context limit rather than
-                         finished) gets coef * R for coef in [0, 1], or the fixed reward coef
-                         when coef < 0
-  overlong (DAPO)        with L = the response budget and C = the buffer, add
-                         factor * clip((L - C - |y|) / C, -1, 0): nothing up to L - C tokens,
-                         a linear ramp inside the last C tokens, -factor at L and beyond
-Formulas and sources: docs/algorithms.md. Settings: `RewardConfig` (`--reward.*`).
-"""
+"""Length shaping: rollout rewards rewritten by response length before advantages, per rollout,
+in this order (docs/concepts/algorithms.md). Stop-properly (ProRL): a truncated rollout gets
+coef * R (coef in [0, 1]) or the reward coef (coef < 0). Overlong (DAPO): with budget L and
+buffer C, add factor * clip((L - C - |y|) / C, -1, 0), a ramp over the last C tokens."""
 
 from dataclasses import dataclass
 
@@ -35,73 +28,43 @@ class ShapedRewards:
 
 
 def validate_reward_config(cfg: RewardConfig) -> None:
-    """Raise ValueError on settings the rules cannot honour (the budget must be known when the
-    overlong penalty is on)."""
-    if cfg.overlong_buffer_len < 0 or cfg.overlong_penalty_factor < 0:
+    buffer, budget = cfg.overlong_buffer_len, cfg.max_response_len
+    if buffer < 0 or cfg.overlong_penalty_factor < 0:
         raise ValueError(
-            f"overlong_buffer_len={cfg.overlong_buffer_len} and overlong_penalty_factor="
+            f"overlong_buffer_len={buffer} and overlong_penalty_factor="
             f"{cfg.overlong_penalty_factor} must be >= 0"
         )
-    if cfg.overlong_buffer_len > 0:
-        if cfg.max_response_len is None:
-            raise ValueError("the overlong penalty needs the response budget max_response_len")
-        if not 0 < cfg.overlong_buffer_len <= cfg.max_response_len:
-            raise ValueError(
-                f"overlong_buffer_len={cfg.overlong_buffer_len} must lie in (0, "
-                f"max_response_len={cfg.max_response_len}]"
-            )
+    if buffer > 0 and (budget is None or buffer > budget):
+        raise ValueError(f"overlong_buffer_len={buffer} must lie in (0, max_response_len={budget}]")
     coef = cfg.stop_properly_penalty_coef
     if coef is not None and coef > 1.0:
-        raise ValueError(
-            f"stop_properly_penalty_coef={coef}: in [0, 1] it scales a truncated rollout's "
-            "reward, below 0 it is that reward; above 1 would reward truncation"
-        )
+        raise ValueError(f"stop_properly_penalty_coef={coef} > 1 would reward truncation")
 
 
-def shaping_enabled(cfg: RewardConfig) -> bool:
-    return cfg.overlong_buffer_len > 0 or cfg.stop_properly_penalty_coef is not None
-
-
-def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float) -> Tensor:
+def overlong_penalty(lengths: Tensor, cfg: RewardConfig) -> Tensor:
     """DAPO's soft overlong punishment per rollout: factor * clip((L - C - |y|) / C, -1, 0)."""
-    if buffer_len <= 0:
-        raise ValueError(f"buffer_len={buffer_len} must be > 0")
-    expected = max_len - buffer_len
-    return factor * ((expected - lengths.float()) / buffer_len).clamp(-1.0, 0.0)
-
-
-def stop_properly(rewards: Tensor, truncated: Tensor, coef: float) -> Tensor:
-    """ProRL's stop-properly penalty: truncated rollouts get coef * R (coef in [0, 1]) or the
-    fixed reward coef (coef < 0); finished ones keep R."""
-    shaped = rewards.float() * coef if coef >= 0 else torch.full_like(rewards.float(), coef)
-    return torch.where(truncated, shaped, rewards.float())
+    buffer, budget = cfg.overlong_buffer_len, cfg.max_response_len
+    ramp = ((budget - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
+    return cfg.overlong_penalty_factor * ramp
 
 
 def shape_rewards(
     rewards: Tensor, response_lengths: Tensor, truncated: Tensor, cfg: RewardConfig
 ) -> ShapedRewards:
     """Per rollout [R]: rewards, generated tokens (all turns and segments) and whether it was
-    cut. Metrics (`reward/*`, only with a rule on): `reward/raw_mean`, `reward/shaped_mean`,
-    `reward/overlong_penalty_mean`, `reward/overlong_frac` (rollouts the penalty reached),
-    `reward/truncated_frac` (rollouts the stop-properly rule rewrote)."""
+    cut; `reward/*` metrics only with a rule on."""
     validate_reward_config(cfg)
-    raw = rewards.float()
-    if not shaping_enabled(cfg):
+    raw = shaped = rewards.float()
+    coef = cfg.stop_properly_penalty_coef
+    if cfg.overlong_buffer_len <= 0 and coef is None:
         return ShapedRewards(raw, {})
-    shaped = raw
-    truncated = truncated.bool()
-    if cfg.stop_properly_penalty_coef is not None:
-        shaped = stop_properly(shaped, truncated, cfg.stop_properly_penalty_coef)
+    cut = truncated.bool() if coef is not None else torch.zeros_like(truncated, dtype=torch.bool)
+    if coef is not None:
+        shaped = torch.where(cut, raw * coef if coef >= 0 else torch.full_like(raw, coef), raw)
     penalty = torch.zeros_like(raw)
     if cfg.overlong_buffer_len > 0:
-        penalty = overlong_penalty(
-            response_lengths,
-            cfg.max_response_len,
-            cfg.overlong_buffer_len,
-            cfg.overlong_penalty_factor,
-        )
+        penalty = overlong_penalty(response_lengths, cfg)
         shaped = shaped + penalty
-    cut = truncated if cfg.stop_properly_penalty_coef is not None else torch.zeros_like(truncated)
 
     def mean(x: Tensor) -> Tensor:
         return x.float().mean() if x.numel() else x.float().sum()

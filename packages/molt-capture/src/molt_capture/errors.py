@@ -14,10 +14,8 @@ class CaptureError(Exception):
 
 
 class ParamRejected(Exception):
-    """Raised by a generator when the engine refuses a request parameter (a stop string it
-    cannot handle, a temperature out of its range): the client's fault, so the client gets a
-    400 naming the parameter in its wire's terms, not a 5xx its SDK would retry.
-    `param` is the `SamplingParams` field ("stop", "temperature", "top_p", "max_tokens")."""
+    """Raised by a generator when the engine refuses a `SamplingParams` field (`param`): the
+    client's fault, so it gets a 400 naming the field in its wire's terms, not a 5xx to retry."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)

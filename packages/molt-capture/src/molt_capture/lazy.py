@@ -1,8 +1,5 @@
-"""Package names that load on first use (PEP 562), for the packages' `__init__` modules.
-
-A process that imports one submodule (a Ray actor, the lifeline, an engine's supervisor) then
-pays for that submodule alone, not for every module its package re-exports.
-"""
+"""Package names that load on first use (PEP 562), for the packages' `__init__` modules: a
+process that imports one submodule (a Ray actor, an engine's supervisor) pays for it alone."""
 
 import importlib
 import sys

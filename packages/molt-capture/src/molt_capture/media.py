@@ -1,16 +1,6 @@
-"""Images in a trace: where they come from, the model's processor applied once, and the typed
-record of one processed image that travels with the token ids from the runner to the trainer.
-
-`ImageEncoder` renders chat text that holds one image token per image (as the chat template
-writes it) into the token ids with every placeholder expanded, plus one `ImageInput` per image:
-the processor's tensors for it, the position of its placeholder run in the ids, and a content
-hash. The engine gets those tensors and hashes (vLLM's token route, no re-processing: the
-hashes key its prefix cache, so two images never share cached blocks), and the trainer feeds
-the same tensors to the policy forward with the same ids.
-
-Supported layout: Idefics3 without image splitting (one tile and one placeholder run per image;
-molt_rollout.tiny_vlm). Anything else is refused at construction, not silently mis-laid.
-"""
+"""Images in a trace: their sources, the model's processor applied once (Idefics3 without image
+splitting; others are refused), and the record of one processed image that travels with the ids
+to the engine (its tensors and hash, which keys vLLM's prefix cache) and to the trainer."""
 
 from __future__ import annotations
 
@@ -31,20 +21,18 @@ SUPPORTED_MODELS = ("idefics3",)
 IMAGES_REFUSED = (
     "image, audio and file input needs a multimodal model; this server serves a text-only model"
 )
+IMAGE_PARTS = ("image", "image_url")  # chat-template content parts that stand for an image
 
 
 class MediaError(ValueError):
-    """An image the data path cannot take: its source, size, count or the model. The capture
-    server answers it as a 400; the Env runner drops the rollout as `bad_row`/`bad_result`."""
+    """An image the data path cannot take (source, size, count, model): a 400 from the capture
+    server, a dropped rollout in the Env runner."""
 
 
 @dataclass
 class ImageInput:
-    """One image of a segment as the model's processor made it.
-
-    `tensors` are the processor's per-image outputs (Idefics3: `pixel_values` [tiles, 3, H, W]
-    and `pixel_attention_mask` [tiles, H, W]); `offset`/`length` the run of placeholder tokens in
-    the segment's ids that the image's embeddings replace; `mm_hash` a digest of the tensors."""
+    """One image of a segment: the processor's tensors for it (Idefics3: `pixel_values`,
+    `pixel_attention_mask`), the run of placeholder ids its embeddings replace, their digest."""
 
     offset: int
     length: int
@@ -56,30 +44,27 @@ class ImageInput:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: each array as dtype, shape and base64 bytes."""
-        arrays = {
-            k: {"dtype": str(a.dtype), "shape": list(a.shape),
-                "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
-            for k, a in self.tensors.items()
-        }  # fmt: skip
-        return {"offset": self.offset, "length": self.length, "mm_hash": self.mm_hash,
-                "tensors": arrays}  # fmt: skip
+        arrays = {}
+        for name, array in self.tensors.items():
+            data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
+            arrays[name] = {"dtype": str(array.dtype), "shape": list(array.shape), "data": data}
+        return {**vars(self), "tensors": arrays}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageInput:
         tensors = {}
-        for k, a in d["tensors"].items():
+        for name, a in d["tensors"].items():
             if isinstance(a, np.ndarray):  # asdict() of a live segment keeps the arrays
-                tensors[k] = a
-                continue
-            flat = np.frombuffer(base64.b64decode(a["data"]), dtype=a["dtype"])
-            tensors[k] = flat.reshape(a["shape"]).copy()
+                tensors[name] = a
+            else:
+                flat = np.frombuffer(base64.b64decode(a["data"]), a["dtype"])
+                tensors[name] = flat.reshape(a["shape"]).copy()
         return cls(d["offset"], d["length"], d["mm_hash"], tensors)
 
 
 @dataclass
 class ImagePrompt:
-    """Token ids with every image placeholder expanded, and the images over them (offsets into
-    `token_ids`): what one processor call makes of rendered text and its images."""
+    """Token ids with every image placeholder expanded, and the images over them."""
 
     token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
@@ -94,24 +79,19 @@ def tensor_hash(tensors: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-# ---- image sources --------------------------------------------------------------------------
-
-
 def load_image(source: Any, where: str = "image"):
-    """A PIL image (RGB) from any form a dataset row or a client may hold: a PIL image, bytes,
-    `{"bytes": ..., "path": ...}` (an HF `datasets.Image` value), a `data:image/...;base64,`
-    URL, a `file://` URL or local path, or bare base64. Remote URLs are refused: rollouts must
-    not depend on the network. Raises MediaError naming `where`."""
+    """A PIL image from a PIL image, bytes, an HF `datasets.Image` dict, a `data:image/...;base64,`
+    URL, a `file://` URL or local path, or bare base64; never a remote URL (rollouts must not
+    depend on the network). Raises MediaError naming `where`."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
         return _checked(source, where)
     if isinstance(source, dict):
-        if source.get("bytes"):
-            return load_image(source["bytes"], where)
-        if source.get("path"):
-            return load_image(source["path"], where)
-        raise MediaError(f"{where}: an image dict needs 'bytes' or 'path', got {sorted(source)}")
+        if not (source.get("bytes") or source.get("path")):
+            why = f"an image dict needs 'bytes' or 'path', got {sorted(source)}"
+            raise MediaError(f"{where}: {why}")
+        return load_image(source.get("bytes") or source["path"], where)
     if isinstance(source, bytes | bytearray):
         return _decode(bytes(source), where)
     if not isinstance(source, str):
@@ -122,8 +102,8 @@ def load_image(source: Any, where: str = "image"):
             raise MediaError(f"{where}: a data URL must be data:image/<type>;base64,...")
         return _decode(_b64(payload, where), where)
     if source.startswith(("http://", "https://")):
-        raise MediaError(f"{where}: remote image URLs are not fetched; send a data URL or a "
-                         "local file")  # fmt: skip
+        why = "remote image URLs are not fetched; send a data URL or a local file"
+        raise MediaError(f"{where}: {why}")
     path = Path(source.removeprefix("file://"))
     if source.startswith("file://") or (len(source) < 4096 and path.suffix and path.exists()):
         if not path.is_file():
@@ -164,9 +144,6 @@ def _checked(image, where: str):
     return image
 
 
-# ---- the processor, applied once ------------------------------------------------------------
-
-
 def load_image_encoder(model_path: str, max_images: int = MAX_IMAGES) -> ImageEncoder | None:
     """The model's image encoder, or None for a text-only model (no image processor)."""
     from transformers import AutoConfig
@@ -181,39 +158,36 @@ def load_image_encoder(model_path: str, max_images: int = MAX_IMAGES) -> ImageEn
 
 
 class ImageEncoder:
-    """Chat text with one image token per image, plus the images -> expanded ids and one
-    ImageInput per image. The text is the chat template's render (the same renderer the text
-    path uses); only the processor expands placeholders, so ids and pixels come from one call."""
+    """Rendered chat text (one image token per image) and its images -> the ids with every
+    placeholder expanded and one ImageInput per image, ids and pixels from one processor call."""
 
     def __init__(self, processor, model_type: str, max_images: int = MAX_IMAGES):
         if model_type not in SUPPORTED_MODELS:
-            raise MediaError(f"images with a {model_type!r} model are not supported yet "
-                             f"(supported: {', '.join(SUPPORTED_MODELS)})")  # fmt: skip
+            why = f"images with a {model_type!r} model are not supported yet"
+            raise MediaError(f"{why} (supported: {', '.join(SUPPORTED_MODELS)})")
         if getattr(processor.image_processor, "do_image_splitting", False):
             # Tiles interleave marker tokens between placeholder runs, which vLLM's token route
             # cannot take as one embedding range per image (it has no embedding mask).
-            raise MediaError("Idefics3 image splitting is not supported; set "
-                             "do_image_splitting=False in the processor")  # fmt: skip
+            why = "Idefics3 image splitting is not supported; set do_image_splitting=False"
+            raise MediaError(f"{why} in the processor")
         self.processor, self.max_images = processor, max_images
         self.image_token = processor.image_token
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(self.image_token)
 
-    def count(self, text: str) -> int:
-        return text.count(self.image_token)
-
     def encode(self, text: str, images: list, where: str = "images") -> ImagePrompt:
         """`images` in any `load_image` form, in the order their tokens appear in `text`."""
-        if self.count(text) != len(images):
-            raise MediaError(f"{where}: {len(images)} images for {self.count(text)} "
-                             f"{self.image_token} tokens in the rendered prompt")  # fmt: skip
+        tokens = text.count(self.image_token)
+        if tokens != len(images):
+            why = f"{len(images)} images for {tokens} {self.image_token} tokens"
+            raise MediaError(f"{where}: {why} in the rendered prompt")
         if len(images) > self.max_images:
-            raise MediaError(f"{where}: {len(images)} images, at most {self.max_images} per "
-                             "prompt")  # fmt: skip
+            raise MediaError(f"{where}: {len(images)} images, at most {self.max_images} per prompt")
         if not images:
             return ImagePrompt(self.processor.tokenizer.encode(text, add_special_tokens=False))
         pil = [load_image(img, f"{where}[{i}]").convert("RGB") for i, img in enumerate(images)]
-        out = self.processor(text=[text], images=[pil], return_tensors="np",
-                             add_special_tokens=False)  # fmt: skip
+        out = self.processor(
+            text=[text], images=[pil], return_tensors="np", add_special_tokens=False
+        )
         ids = [int(t) for t in out["input_ids"][0]]
         runs = placeholder_runs(ids, self.image_token_id)
         if len(runs) != len(images):
@@ -227,21 +201,14 @@ class ImageEncoder:
         return ImagePrompt(ids, inputs)
 
 
-IMAGE_PARTS = ("image", "image_url")  # chat-template content parts that stand for an image
-
-
 def message_images(messages: list[dict], pool: list | None = None, where: str = "prompt") -> list:
-    """The image sources of chat messages, in order: each image part's own (`{"type": "image",
-    "image": src}`, `{"type": "image_url", "image_url": {"url": src}}`), else the next of `pool`
-    (a dataset row's `images` column, for bare `{"type": "image"}` parts as HF datasets write
-    them). Every pool image must be used."""
+    """The image sources of chat messages, in order: each image part's own, else (a bare
+    `{"type": "image"}`, as HF datasets write them) the next of `pool`, which must be used up."""
     pool = list(pool or [])
     sources, used = [], 0
     for m, message in enumerate(messages):
         content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
+        for p, part in enumerate(content if isinstance(content, list) else []):
             if not isinstance(part, dict) or part.get("type") not in IMAGE_PARTS:
                 continue
             inline = part.get("image") or part.get("url") or part.get("path")
@@ -250,38 +217,33 @@ def message_images(messages: list[dict], pool: list | None = None, where: str = 
                 inline = url.get("url") if isinstance(url, dict) else url
             if inline is None:
                 if used == len(pool):
-                    raise MediaError(f"{where}: message {m} part {p} is an image part without "
-                                     "an image, and the row's 'images' are used up")  # fmt: skip
+                    why = "is an image part without an image, and the row's 'images' are used up"
+                    raise MediaError(f"{where}: message {m} part {p} {why}")
                 inline, used = pool[used], used + 1
             sources.append(inline)
     if used != len(pool):
-        raise MediaError(f"{where}: the row has {len(pool)} images but its messages have "
-                         f"{used} image parts to place them")  # fmt: skip
+        why = f"the row has {len(pool)} images but its messages have {used} image parts"
+        raise MediaError(f"{where}: {why} to place them")
     return sources
 
 
-def data_url(source: Any, where: str = "image") -> str:
-    """An image in any `load_image` form as a PNG data URL (lossless: the pixels the processor
-    sees are the source's)."""
-    buffer = io.BytesIO()
-    load_image(source, where).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def openai_image_parts(messages: list[dict], pool: list | None = None) -> list[dict]:
-    """Chat messages with every image part (inline or from the row's `images`) as an OpenAI
-    `image_url` part holding a data URL: the ChatAgent's prompt, ready for an SDK."""
+    """The ChatAgent's prompt for an SDK: every image part (inline or from the row's `images`) as
+    an OpenAI `image_url` part holding a PNG data URL (lossless, the processor's very pixels)."""
     sources = iter(message_images(messages, pool))
+
+    def part(p: Any) -> Any:
+        if not (isinstance(p, dict) and p.get("type") in IMAGE_PARTS):
+            return p
+        buffer = io.BytesIO()
+        load_image(next(sources)).save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+
     out = []
     for message in messages:
         content = message.get("content")
-        if isinstance(content, list):
-            content = [
-                {"type": "image_url", "image_url": {"url": data_url(next(sources))}}
-                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS
-                else part
-                for part in content
-            ]
+        content = [part(p) for p in content] if isinstance(content, list) else content
         out.append({**message, "content": content})
     return out
 
@@ -292,7 +254,7 @@ def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
     for i, t in enumerate(ids):
         if t != token_id:
             continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
+        if runs and sum(runs[-1]) == i:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))

@@ -1,11 +1,7 @@
 """Chat template rendering and reply parsing: the only code that turns messages into text and
-generated text back into a message.
-
-Messages here are in the Hugging Face chat-template form (the wires convert to it): role,
-content (str), optional `reasoning_content`, `tool_calls` as
-`{"type": "function", "function": {"name", "arguments": dict}}`, and `tool_call_id` on tool
-results. Replies are parsed with transformers' declarative response parser; a *parser family*
-names the response template (the markup one model family writes).
+generated text back into a message. Messages are in the Hugging Face chat-template form (the
+wires convert to it); replies are parsed with transformers' declarative response parser, one
+response template per *parser family* (the markup one model family writes).
 """
 
 from __future__ import annotations
@@ -20,50 +16,40 @@ from transformers.utils.chat_parsing import ResponseParser
 from .errors import CaptureError
 from .media import ImageEncoder, ImagePrompt, MediaError, message_images
 
-# Response templates (transformers' `response_template` format), one per markup family. The
-# reasoning region is named `reasoning_content`, as the chat templates name it.
-_THINK = {"open": "<think>", "close": "</think>", "content": "text"}
-# Leading whitespace before an end marker must not open an empty content region.
-_QWEN_END = {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"}
+
+def _qwen(**tool_calls: Any) -> dict[str, Any]:
+    """A Qwen-style response template (transformers' `response_template` format), given how its
+    family writes tool calls. The reasoning region is named as the chat templates name it."""
+    # Leading whitespace before an end marker must not open an empty content region.
+    end = r"\s*(?:<\|im_end\|>|<\|endoftext\|>)"
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {
+            "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+            "tool_calls": {**tool_calls, "repeats": True},
+            "content": {"close_pattern": end, "content": "text"},
+        },
+    }
+
+
+_PARAMETER = r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>"
 RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
     # Hermes-style JSON in <tool_call> tags: Qwen2.5, Qwen3 (dense and MoE), QwQ, Hermes 2/3.
-    "qwen3": {
-        "defaults": {"role": "assistant"},
-        "start_anchor": "<|im_start|>assistant\n",
-        "fields": {
-            "reasoning_content": _THINK,
-            "tool_calls": {
-                "open_pattern": r"\s*<tool_call>",
-                "close": "</tool_call>",
-                "repeats": True,
-                "content": "json",
-                "transform": {"type": "function", "function": "{content}"},
-            },
-            "content": _QWEN_END,
-        },
-    },
+    "qwen3": _qwen(
+        open_pattern=r"\s*<tool_call>",
+        close="</tool_call>",
+        content="json",
+        transform={"type": "function", "function": "{content}"},
+    ),
     # XML function/parameter markup inside <tool_call>: Qwen3-Coder, Qwen3.5.
-    "qwen3_xml": {
-        "defaults": {"role": "assistant"},
-        "start_anchor": "<|im_start|>assistant\n",
-        "fields": {
-            "reasoning_content": _THINK,
-            "tool_calls": {
-                "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
-                "close_pattern": r"</function>\s*</tool_call>",
-                "repeats": True,
-                "content": "xml-inline",
-                "content_args": {
-                    "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>"
-                },
-                "transform": {
-                    "type": "function",
-                    "function": {"name": "{name}", "arguments": "{content}"},
-                },
-            },
-            "content": _QWEN_END,
-        },
-    },
+    "qwen3_xml": _qwen(
+        open_pattern=r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+        close_pattern=r"</function>\s*</tool_call>",
+        content="xml-inline",
+        content_args={"tag_pattern": _PARAMETER},
+        transform={"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+    ),
 }
 PARSERS = [*RESPONSE_TEMPLATES, "tokenizer"]  # "tokenizer": the model's own response_template
 # Marks where a probe reply's content sits in a render; random, so no client text can forge it.
@@ -87,14 +73,8 @@ class Reply:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
     def as_message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            msg["tool_calls"] = [
-                tool_call_message(tc.name, tc.arguments, tc.id) for tc in self.tool_calls
-            ]
-        return msg
+        calls = [tool_call_message(tc.name, tc.arguments, tc.id) for tc in self.tool_calls]
+        return assistant_message(self.content, self.reasoning, calls)
 
     def matches(self, msg: dict[str, Any]) -> bool:
         """Whether a client's echo of this reply is the reply (reasoning may be dropped)."""
@@ -108,34 +88,48 @@ class Reply:
         )
 
 
+def assistant_message(content: Any, reasoning: str | None, calls: list[dict]) -> dict[str, Any]:
+    """An assistant message in template form, reasoning and tool calls only when there are some."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
 def tool_call_message(name: str, arguments: dict[str, Any], call_id: str | None) -> dict[str, Any]:
-    """A tool call in template form. The id (as vLLM passes it) reaches templates that render
-    ids and lets the wires check tool results against calls."""
+    """A tool call in template form, with the id templates may render and results answer."""
     call = {"type": "function", "function": {"name": name, "arguments": arguments}}
     return {"id": call_id, **call} if call_id is not None else call
 
 
-def _json_object(args: Any) -> bool:
-    """A dict that strict JSON can carry: NaN or Infinity (which Python's parser accepts)
-    would make the reply invalid JSON for the client."""
+def _tool_call(raw: Any) -> ToolCall | None:
+    """A parsed call the wires can send, else None: a name, and arguments a JSON object strict JSON
+    can carry (Python's parser accepts NaN, which would make the reply invalid JSON)."""
+    fn = raw.get("function") if isinstance(raw, dict) else None
+    fn = fn if isinstance(fn, dict) else {}
+    args = fn.get("arguments")
     try:
+        args = json.loads(args) if isinstance(args, str) else args
         json.dumps(args, allow_nan=False)
     except (ValueError, TypeError, RecursionError):
-        return False
-    return isinstance(args, dict)
+        return None
+    if not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+        return None
+    return ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args)
 
 
 class ChatRenderer:
     """Renders conversations with the tokenizer's chat template and parses generated text."""
 
     def __init__(self, tokenizer, parser: str = "qwen3", chat_template_kwargs: dict | None = None):
+        template = RESPONSE_TEMPLATES.get(parser)
         if parser == "tokenizer":
             template = getattr(tokenizer, "response_template", None)
             if template is None:
                 raise ValueError("parser='tokenizer' but the tokenizer has no response_template")
-        elif parser in RESPONSE_TEMPLATES:
-            template = RESPONSE_TEMPLATES[parser]
-        else:
+        elif template is None:
             raise ValueError(f"unknown parser {parser!r}; choose one of {PARSERS}")
         self.tokenizer = tokenizer
         self.response_template = template
@@ -147,28 +141,21 @@ class ChatRenderer:
     def render(
         self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool
     ) -> str:
+        options = {**self.chat_template_kwargs, "tokenize": False}
+        options["add_generation_prompt"] = add_generation_prompt
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **self.chat_template_kwargs,
-            )
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, **options)
         except Exception as e:  # jinja raises many types; a bad conversation is the client's
-            raise CaptureError(
-                400, f"the chat template rejected the messages: {e}", "messages"
-            ) from e
+            why = f"the chat template rejected the messages: {e}"
+            raise CaptureError(400, why, "messages") from e
 
     def render_delta(
         self, reply: dict[str, Any], messages: list[dict], tools: list[dict] | None
     ) -> tuple[str, str] | None:
         """The template's text for `messages` after the assistant message `reply`, generation
-        prompt included: the new part of a turn whose history is already in the trace as
-        tokens. Rendered after a stand-in history so earlier turns (which templates re-render
-        differently: reasoning dropped, arguments re-serialised) never enter it. Returns the
-        delta and the stand-in render (which ends as the real prompt does), or None when the
-        template renders the reply's end differently once messages follow it."""
+        prompt included, and the render it ends (as the real prompt ends). Rendered after a
+        stand-in history, so earlier turns never enter it; None when the template renders the
+        reply's end differently once messages follow it."""
         probe = {**reply, "content": _SENTINEL}
         base = [{"role": "user", "content": "x"}, probe]
         try:
@@ -176,11 +163,11 @@ class ChatRenderer:
             after = self.render([*base, *messages], tools, add_generation_prompt=True)
         except CaptureError:
             return None
-        if _SENTINEL not in before or _SENTINEL not in after:
+        _, found, end = before.partition(_SENTINEL)  # end: tool calls, closing
+        _, found_after, tail = after.partition(_SENTINEL)
+        if not (found and found_after and tail.startswith(end)):
             return None
-        end = before[before.index(_SENTINEL) + len(_SENTINEL) :]  # tool calls, closing
-        tail = after[after.index(_SENTINEL) + len(_SENTINEL) :]
-        return (tail[len(end) :], after) if tail.startswith(end) else None
+        return tail[len(end) :], after
 
     def encode(self, text: str) -> list[int]:
         # The batch call releases the GIL (plain encode holds it), so a large prompt being
@@ -191,8 +178,7 @@ class ChatRenderer:
         return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_messages(self, text: str, messages: list[dict], where: str) -> ImagePrompt:
-        """`text` (the render of `messages`, or of new turns) -> ids, with the messages' images
-        through the processor (placeholders expanded). Text-only renderers encode as ever."""
+        """`text`, the render of `messages` -> ids, their images through the processor."""
         if self.images is None:
             return ImagePrompt(self.encode(text))
         try:
@@ -207,11 +193,9 @@ class ChatRenderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _closing_ids(self) -> list[int]:
-        """The template's tokens after an assistant message's content (e.g. `<|im_end|>` and
-        `\\n` for Qwen): found by rendering a probe reply and reading what follows it."""
+        """The template's tokens after an assistant message's content (Qwen: `<|im_end|>\\n`)."""
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-        text = self.render(probe, None, add_generation_prompt=False)
-        return self.encode(text[text.rindex(_SENTINEL) + len(_SENTINEL) :])
+        return self.encode(self.render(probe, None, False).partition(_SENTINEL)[2])
 
     def missing_closing(self, generated: list[int]) -> list[int]:
         """The closing tokens the engine stopped before: if it emitted `<|im_end|>` itself,
@@ -239,23 +223,14 @@ class ChatRenderer:
             parser = ResponseParser(self.response_template, prefix=prompt_text, tools=tools)
             events = parser.initial_events + parser.feed(text)
             msg, final = parser.finalize()
+            calls = [_tool_call(raw) for raw in msg.get("tool_calls") or []]
         except Exception:  # any parser failure: the output is the model's, never a server error
-            # Malformed markup (e.g. broken JSON in a tool call) is the model's answer: return it
-            # as text; the trace still holds exactly what was generated.
+            calls = None
+        if calls is None or None in calls:
+            # Malformed markup (broken JSON in a tool call, a call without a usable name or
+            # arguments) is the model's answer: it is returned as text; the trace still holds
+            # exactly what was generated.
             return Reply(content=self._strip_special(text))
-        calls = []
-        for raw in msg.get("tool_calls") or []:
-            fn = raw.get("function") if isinstance(raw, dict) else None
-            fn = fn if isinstance(fn, dict) else {}
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except (json.JSONDecodeError, RecursionError):
-                    args = None
-            if not isinstance(fn.get("name"), str) or not _json_object(args):
-                return Reply(content=self._strip_special(text))  # not a usable call: text
-            calls.append(ToolCall(f"call_{secrets.token_hex(12)}", fn["name"], args))
         # Every region's text, not the parser's last one: a stray special token or a second
         # reasoning block starts a new region, and the text before it must reach the agent too.
         closed: dict[str, list[str]] = {}

@@ -1,14 +1,9 @@
 """One agent episode's token-exact trace: plan a turn, generate, commit, segment.
 
-The engine is always fed the segment's exact token ids. History comes from recorded tokens: a
-turn whose messages are the previous turn's messages, then our reply, then new ones appends
-only the new messages' render (`ChatRenderer.render_delta`), tokenized on its own; earlier
-turns are never re-rendered, so a template that renders them differently from how they were
-generated (reasoning dropped, arguments re-serialised) cannot split the episode. Generated
-tokens are stored as sampled and never re-tokenized. When the request is not such an extension
-(compaction, edited history, changed tools or sampling), the segment is sealed and a new one
-starts from a full render. Rendering, tokenizing and parsing run on a worker thread, so one
-large request does not hold up the event loop every session shares.
+The engine is always fed the segment's exact ids. A request that extends the last one (its
+messages, our reply, new messages) appends only the new messages' render: earlier turns are never
+re-rendered, generated tokens never re-tokenized. Any other request (compaction, edited history,
+changed tools or sampling) seals the segment (docs/concepts/capture.md, the history rule).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CaptureError, ParamRejected
-from .media import ImageInput
+from .media import ImagePrompt
 from .render import ChatRenderer, Reply
 from .types import Generation, SamplingParams, Segment
 
@@ -67,13 +62,11 @@ class SessionConfig:
 @dataclass
 class _Plan:
     extend: bool  # append to the open segment; otherwise seal it and start a new one
-    context_ids: list[int]  # tokens to append before generating
-    prompt_ids: list[int]  # exactly what the engine sees
+    context: ImagePrompt  # tokens (and their images) to append before generating
+    prompt: ImagePrompt  # exactly what the engine sees
     prompt_text: str  # a render ending as the engine's prompt does (for the reply parser)
     params: SamplingParams
     room: int  # tokens left in the context
-    context_images: list[ImageInput] = field(default_factory=list)  # offsets into context_ids
-    prompt_images: list[ImageInput] = field(default_factory=list)  # offsets into prompt_ids
 
 
 class Session:
@@ -114,11 +107,15 @@ class Session:
             if key == self._last_key and self._last_result is not None:
                 return self._last_result  # a client retry: answer again, record nothing
             plan = await asyncio.to_thread(self._plan, request, renderer)
-            if plan.room <= 0:
-                result = self._commit_full(plan)
+            if plan.room <= 0:  # no room left: `length` without generating, the episode cut
+                if plan.extend and self.current is not None:
+                    self.current.truncated = True
+                result = TurnResult(Reply(""), "length", None, len(plan.prompt.token_ids), 0)
             else:
                 gen = await self._generate(plan, request, generate, timeout_s)
-                reply = await asyncio.to_thread(self._parse, plan, request, gen, renderer)
+                stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
+                parse = (gen.token_ids, plan.prompt_text, request.tools, stop, request.parse_tools)
+                reply = await asyncio.to_thread(renderer.parse, *parse)
                 result = self._commit(plan, request, gen, reply, renderer)
             self._last_key, self._last_result = key, result
             return result
@@ -128,8 +125,8 @@ class Session:
     ) -> Generation:
         try:
             # Images only when there are some: text-only generators take no such argument.
-            extra = {"images": plan.prompt_images} if plan.prompt_images else {}
-            call = generate(plan.prompt_ids, plan.params, self.id, **extra)
+            extra = {"images": plan.prompt.images} if plan.prompt.images else {}
+            call = generate(plan.prompt.token_ids, plan.params, self.id, **extra)
             gen = await asyncio.wait_for(call, timeout_s)
         except asyncio.TimeoutError as e:  # noqa: UP041 (differs on Python 3.10)
             raise CaptureError(504, f"generator timed out after {timeout_s} s") from e
@@ -141,10 +138,8 @@ class Session:
         except Exception as e:
             raise CaptureError(502, f"generator failed: {type(e).__name__}: {e}") from e
         if len(gen.token_ids) > plan.params.max_tokens:
-            raise CaptureError(
-                502,
-                f"generator returned {len(gen.token_ids)} tokens for max_tokens={plan.params.max_tokens}",
-            )
+            asked = f"{len(gen.token_ids)} tokens for max_tokens={plan.params.max_tokens}"
+            raise CaptureError(502, f"generator returned {asked}")
         return gen
 
     def _plan(self, req: ChatRequest, renderer: ChatRenderer) -> _Plan:
@@ -153,12 +148,9 @@ class Session:
         temperature = cfg.temperature if req.temperature is None else req.temperature
         top_p = cfg.top_p if req.top_p is None else req.top_p
         if cfg.strict_temperature and temperature != cfg.temperature:
-            raise CaptureError(
-                400,
-                f"temperature {temperature} differs from the training temperature "
-                f"{cfg.temperature}; this run refuses it (strict_temperature)",
-                "temperature",
-            )
+            why = f"differs from the training temperature {cfg.temperature}"
+            refused = f"temperature {temperature} {why}; this run refuses it (strict_temperature)"
+            raise CaptureError(400, refused, "temperature")
         cur = self.current
         # A segment has one sampling setting, so the trainer recomputes log-probs rightly.
         same_sampling = cur is not None and (cur.temperature, cur.top_p) == (temperature, top_p)
@@ -166,25 +158,21 @@ class Session:
         if cur is not None and delta is not None:
             new = req.messages[len(self._history) :]
             context = renderer.encode_messages(delta[0], new, "messages")
-            context_ids, prompt_text = context.token_ids, delta[1]
-            prompt_ids, routing_start = cur.token_ids + context_ids, cur.routing_known
-            prompt_images = cur.images + [i.shifted(len(cur)) for i in context.images]
+            shifted = [image.shifted(len(cur)) for image in context.images]
+            prompt = ImagePrompt(cur.token_ids + context.token_ids, cur.images + shifted)
+            prompt_text, routing_start = delta[1], cur.routing_known
         else:
             prompt_text = renderer.render(req.messages, req.tools, add_generation_prompt=True)
-            context = renderer.encode_messages(prompt_text, req.messages, "messages")
-            context_ids = prompt_ids = context.token_ids
-            routing_start, prompt_images = 0, context.images
-        room = cfg.max_len - len(prompt_ids)
-        want = req.max_tokens or cfg.max_tokens or room
-        params = SamplingParams(
-            max(0, min(want, room)), temperature, top_p, list(req.stop), routing_start
-        )
-        return _Plan(delta is not None, context_ids, prompt_ids, prompt_text, params, room,
-                     context.images, prompt_images)  # fmt: skip
+            context = prompt = renderer.encode_messages(prompt_text, req.messages, "messages")
+            routing_start = 0
+        room = cfg.max_len - len(prompt.token_ids)
+        max_tokens = max(0, min(req.max_tokens or cfg.max_tokens or room, room))
+        params = SamplingParams(max_tokens, temperature, top_p, list(req.stop), routing_start)
+        return _Plan(delta is not None, context, prompt, prompt_text, params, room)
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:
-        """For a request that extends the open segment's conversation: the new messages' text
-        and the render it ends (for the reply parser); None for anything else."""
+        """The new messages' text and the render it ends, for a request that extends the open
+        segment's conversation; None for anything else."""
         history, k = self._history, len(self._history)
         if not history or len(req.messages) <= k or req.tools != self._tools:
             return None
@@ -195,31 +183,16 @@ class Session:
         assert isinstance(reply, Reply)
         return renderer.render_delta(reply.as_message(), req.messages[k:], req.tools)
 
-    def _open_segment(self, plan: _Plan) -> Segment:
+    def _commit(
+        self, plan: _Plan, req: ChatRequest, gen: Generation, reply: Reply, renderer: ChatRenderer
+    ) -> TurnResult:
         if not plan.extend:
             if self.current is not None and self.current.num_generated > 0:
                 self.sealed.append(self.current)
             self.current = Segment(temperature=plan.params.temperature, top_p=plan.params.top_p)
-        assert self.current is not None
-        self.current.append_context(plan.context_ids, plan.context_images)
-        return self.current
-
-    def _commit_full(self, plan: _Plan) -> TurnResult:
-        """No room left: answer `length` without generating; the episode was cut short."""
-        if plan.extend and self.current is not None:
-            self.current.truncated = True
-        return TurnResult(Reply(content=""), "length", None, len(plan.prompt_ids), 0)
-
-    @staticmethod
-    def _parse(plan: _Plan, req: ChatRequest, gen: Generation, renderer: ChatRenderer) -> Reply:
-        stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        return renderer.parse(gen.token_ids, plan.prompt_text, req.tools, stop, req.parse_tools)
-
-    def _commit(
-        self, plan: _Plan, req: ChatRequest, gen: Generation, reply: Reply, renderer: ChatRenderer
-    ) -> TurnResult:
-        stop_string = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-        seg = self._open_segment(plan)
+        seg = self.current
+        assert seg is not None
+        seg.append_context(plan.context.token_ids, plan.context.images)
         seg.append_generation(gen, plan.params.max_tokens)
         closing = renderer.missing_closing(gen.token_ids)
         if gen.finish_reason == "length" and plan.params.max_tokens == plan.room:
@@ -232,8 +205,7 @@ class Session:
         earlier = self._history if plan.extend else []
         self._history = [*earlier, *req.messages[len(earlier) :], reply]
         self._tools = req.tools
-        if gen.finish_reason == "length":
-            finish = "length"
-        else:
-            finish = "tool_calls" if reply.tool_calls else "stop"
-        return TurnResult(reply, finish, stop_string, len(plan.prompt_ids), len(gen.token_ids))
+        finish = "tool_calls" if reply.tool_calls else "stop"
+        finish = "length" if gen.finish_reason == "length" else finish
+        stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
+        return TurnResult(reply, finish, stop, len(plan.prompt.token_ids), len(gen.token_ids))

@@ -10,60 +10,16 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Markup the model writes itself: added (never split) but not special, so decode keeps them.
 MARKUP_TOKENS = [
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
+    f"<{end}{tag}>" for tag in ("think", "tool_call", "tool_response") for end in ("", "/")
 ]
 VOCAB_SIZE = 384
-_BUILD_VERSION = "1"  # bump when the corpus, vocabulary or template changes
+_BUILD_VERSION = "2"  # bump when the corpus, vocabulary or template changes
 
-# Qwen3's layout, written with explicit '\n' strings so Jinja whitespace control cannot shift
-# a byte. Earlier reasoning is dropped unless it follows the last user query (as Qwen3 does) or
-# `preserve_thinking` is passed; `enable_thinking=False` pre-fills an empty think block.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- set ns = namespace(last_query=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages and messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
-    "{{- '# Tools\\n\\nYou may call one or more functions.\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
-    '{{- \'\\n</tools>\\n\\nCall a function as <tool_call>\\n{"name": <name>, "arguments": <json>}'
-    "\\n</tool_call><|im_end|>\\n' -}}"
-    "{%- elif messages and messages[0].role == 'system' -%}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-    "{%- elif m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if m.reasoning_content and (loop.index0 > ns.last_query or preserve_thinking) -%}"
-    "{{- '<think>\\n' + m.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- m.content or '' -}}"
-    "{%- for tc in m.tool_calls or [] -%}"
-    "{%- if not loop.first or m.content -%}{{- '\\n' -}}{%- endif -%}"
-    '{{- \'<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' -}}'
-    "{%- if tc.function.arguments is string -%}{{- tc.function.arguments -}}"
-    "{%- else -%}{{- tc.function.arguments | tojson -}}{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif m.role == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}{%- endif -%}"
-)
+# Qwen3's layout (qwen3_style.jinja beside this file), every tag trimming the whitespace around
+# it so the file's line breaks render as nothing. Earlier reasoning is dropped unless it follows
+# the last user query (as Qwen3 does) or `preserve_thinking` is passed; `enable_thinking=False`
+# pre-fills an empty think block.
+QWEN3_STYLE_TEMPLATE = (Path(__file__).parent / "qwen3_style.jinja").read_text()
 
 # Small but varied: chat words, JSON punctuation and digits so tool calls compress somewhat.
 _CORPUS = [
@@ -79,9 +35,8 @@ _CORPUS = [
 
 
 def build_tiny_tokenizer(path: str | Path) -> Path:
-    """Train (once) and save the tiny tokenizer at `path`. Load it with
-    `PreTrainedTokenizerFast.from_pretrained` (AutoTokenizer works too, but imports torch
-    whenever torch is installed)."""
+    """Train (once) and save the tiny tokenizer at `path`; load it with `PreTrainedTokenizerFast`
+    (AutoTokenizer imports torch whenever torch is installed)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,15 +1,9 @@
 """The records every later package exchanges: a generation, a token-exact segment, a rollout.
-
-Plain dataclasses of lists, ints, floats and strings: they pickle (Ray) and round-trip through
-JSON with `to_dict`/`from_dict`. Prompt (non-generated) tokens carry log-prob 0.0 and weight
-version -1, so every per-token list is aligned 1:1 with `token_ids`. Routed experts (MoE routing
-replay) are a row per position the engine ran, prompt and context included; a segment's last
-sampled token has none until a later turn's prefill runs it.
-"""
+Every per-token list is aligned 1:1 with `token_ids`; they pickle (Ray) and round-trip JSON."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .media import ImageInput
@@ -52,18 +46,21 @@ class Generation:
     top_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.token_ids)
+        n, ids, logprobs = len(self.token_ids), self.top_ids, self.top_logprobs
         if len(self.logprobs) != n or len(self.weight_versions) != n:
-            raise ValueError(
-                f"Generation lists are misaligned: {n} ids, {len(self.logprobs)} logprobs, "
-                f"{len(self.weight_versions)} weight versions"
-            )
-        _check_top(self.top_ids, self.top_logprobs, n, "Generation")
+            counts = f"{n} ids, {len(self.logprobs)} logprobs, {len(self.weight_versions)}"
+            raise ValueError(f"Generation lists are misaligned: {counts} weight versions")
+        if (ids is None) != (logprobs is None):
+            raise ValueError("Generation: top_ids and top_logprobs come together")
+        if ids is not None and logprobs is not None:
+            if len(ids) != n or len(logprobs) != n:
+                rows = f"{len(ids)} / {len(logprobs)} top-k rows"
+                raise ValueError(f"Generation: {n} tokens but {rows}")
+            if any(len(a) != len(b) for a, b in zip(ids, logprobs, strict=True)):
+                raise ValueError("Generation: a top-k row's ids and log-probs differ in length")
         if self.routed_experts is not None and len(self.routed_experts) < n - 1:
-            raise ValueError(
-                f"Generation has {n} ids but {len(self.routed_experts)} routing rows: every "
-                "sampled token but the last was run"
-            )
+            rows = f"{n} ids but {len(self.routed_experts)} routing rows"
+            raise ValueError(f"Generation has {rows}: every sampled token but the last was run")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,17 +68,6 @@ class Generation:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Generation:
         return cls(**d)
-
-
-def _check_top(ids: list | None, logprobs: list | None, n: int, owner: str) -> None:
-    if (ids is None) != (logprobs is None):
-        raise ValueError(f"{owner}: top_ids and top_logprobs come together")
-    if ids is None or logprobs is None:
-        return
-    if len(ids) != n or len(logprobs) != n:
-        raise ValueError(f"{owner}: {n} tokens but {len(ids)} / {len(logprobs)} top-k rows")
-    if any(len(a) != len(b) for a, b in zip(ids, logprobs, strict=True)):
-        raise ValueError(f"{owner}: a top-k row has ids and log-probs of different lengths")
 
 
 @dataclass
@@ -145,10 +131,9 @@ class Segment:
             known = (self.routed_experts or [None] * start)[: gen.routing_start]
             rows = known + gen.routed_experts + [None]  # the last sampled token: not run yet
             if len(rows) != len(self.token_ids):
-                raise ValueError(
-                    f"{len(gen.routed_experts)} routing rows from position {gen.routing_start} "
-                    f"for a {start}-token prompt and {len(gen.token_ids)} sampled tokens"
-                )
+                rows = f"{len(gen.routed_experts)} routing rows from position {gen.routing_start}"
+                tokens = f"a {start}-token prompt and {len(gen.token_ids)} sampled tokens"
+                raise ValueError(f"{rows} for {tokens}")
             self.routed_experts = rows
         elif self.routed_experts is not None:
             self.routed_experts += [None] * len(gen.token_ids)
@@ -180,10 +165,9 @@ class Segment:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
-        d = dict(d)
-        d["turns"] = [TurnSpan(**t) for t in d.get("turns", [])]
-        d["images"] = [ImageInput.from_dict(i) for i in d.get("images", [])]
-        return cls(**d)
+        turns = [TurnSpan(**t) for t in d.get("turns", [])]
+        images = [ImageInput.from_dict(i) for i in d.get("images", [])]
+        return cls(**{**d, "turns": turns, "images": images})
 
 
 @dataclass
@@ -199,12 +183,8 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)  # seconds, by stage
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["segments"] = [s.to_dict() for s in self.segments]
-        return d
+        return {**vars(self), "segments": [s.to_dict() for s in self.segments]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
-        d = dict(d)
-        d["segments"] = [Segment.from_dict(s) for s in d["segments"]]
-        return cls(**d)
+        return cls(**{**d, "segments": [Segment.from_dict(s) for s in d["segments"]]})

@@ -1,17 +1,19 @@
-"""What every wire shares: strict request models, field-named 400s, and the refusals that must
-read the same on every wire (sampling the trace cannot record, images, structured output,
-forced tool choice)."""
+"""What every wire shares: strict request models, refusals that read alike on every wire,
+field-named 400s, content and tools in template form, and the framing of replies."""
 
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import CaptureError
 from .media import IMAGES_REFUSED
+from .render import ToolCall
+from .session import ChatRequest
 
 # Content part / block types that carry media, on any wire.
 MEDIA_TYPES = {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
@@ -27,32 +29,92 @@ SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def refuse(where: str, why: str) -> CaptureError:
+    return CaptureError(400, f"{where}: {why}", where)
+
+
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class SamplingExtras(WireModel):
-    """Mixed into every wire's request so the refusals above read alike everywhere."""
+class WireRequest(WireModel):
+    """The fields every wire's request has. The sampling extras are refused (unless a no-op)
+    before the rest is validated."""
 
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    top_k: Any = None
-    min_p: Any = None
+    model: str | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
 
-    def refuse_sampling_extras(self) -> None:
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_sampling_extras(cls, raw: Any) -> Any:
         for name, no_ops in SAMPLING_REFUSED.items():
-            value = getattr(self, name)
+            value = raw.get(name) if isinstance(raw, dict) else None
             if value is not None and (isinstance(value, bool) or value not in no_ops):
-                raise CaptureError(
-                    400, f"{name} is not supported: it changes what is sampled untraceably", name
-                )
+                why = "is not supported: it changes what is sampled untraceably"
+                raise CaptureError(400, f"{name} {why}", name)
+        return raw
+
+    def chat(self, messages, tools, choice, max_tokens, stop, names) -> ChatRequest:
+        """The turn in template form. `choice`: the tool choice, refused unless auto or none (no
+        constrained decoding); `names`: the wire's names of `SamplingParams` fields."""
+        choice = str(choice.get("type")) if isinstance(choice, dict) else choice
+        if choice not in (None, "auto", "none"):
+            why = "only tool_choice 'auto' or 'none' is supported (no constrained decoding)"
+            raise CaptureError(400, why, "tool_choice")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        sampling = (self.temperature, self.top_p, max_tokens, stop)
+        return ChatRequest(messages, tools or None, *sampling, choice != "none", names)
+
+
+class FunctionDef(WireModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def template(self, where: str) -> dict[str, Any]:
+        """The tool in template form. Its schema must be strict JSON (1e400 parses as
+        infinity): it reaches the prompt, and the Responses wire echoes it."""
+        try:
+            json.dumps(self.parameters, allow_nan=False)
+        except ValueError:
+            raise refuse(where, "a number is not finite") from None
+        fields = {"name", "description", "parameters"}
+        return {"type": "function", "function": self.model_dump(include=fields, exclude_none=True)}
+
+
+class TextPart(WireModel):
+    text: str
+
+
+class ImagePart(WireModel):
+    def url(self) -> str:
+        raise NotImplementedError  # a data URL or a local file (media.load_image)
+
+
+def content(parts: str | list | None, where: str, images: bool) -> str | list[dict[str, Any]]:
+    """Text parts joined; with an image among them (a 400 unless the model takes `images`), the
+    parts in template form, the template writing each image's token where its part is."""
+    if not isinstance(parts, list):
+        return parts or ""
+    kept = [p for p in parts if isinstance(p, TextPart | ImagePart)]
+    for j, part in enumerate(parts):
+        if isinstance(part, ImagePart) and not images:
+            raise refuse(f"{where}.{j}", IMAGES_REFUSED)
+    if not any(isinstance(p, ImagePart) for p in kept):
+        return "".join(p.text for p in kept)
+    return [
+        {"type": "image", "image": p.url()}
+        if isinstance(p, ImagePart)
+        else {"type": "text", "text": p.text}
+        for p in kept
+    ]
 
 
 def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
-    """400 naming the first offending field in dotted form (`messages.0.role`); a media part
-    anywhere gets the multimodal message instead of a type error about it."""
+    """400 naming the first offending field in dotted form (`messages.0.role`); a media part the
+    wire does not take gets the multimodal message instead of a type error about it."""
 
     def where(loc: tuple) -> str:
         parts = [str(p) for p in loc if "[" not in str(p)]  # drop union-branch names
@@ -65,8 +127,7 @@ def validation_error(e: ValidationError, prefix: str = "") -> CaptureError:
             tag, err = err["input"], {**err, "loc": err["loc"][:-1]}
         in_content = "content" in err["loc"] or "output" in err["loc"]  # a tool's output too
         if in_content and isinstance(tag, str) and tag in MEDIA_TYPES:
-            at = where(err["loc"])
-            return CaptureError(400, f"{at}: {IMAGES_REFUSED}", at)
+            return refuse(where(err["loc"]), IMAGES_REFUSED)
     at = where(errors[0]["loc"])
     return CaptureError(400, f"invalid request field '{at}': {errors[0]['msg']}", at)
 
@@ -85,15 +146,6 @@ def parse(model: type[WireModel], raw: bytes | dict, prefix: str = "") -> Any:
         raise validation_error(e, prefix) from None
 
 
-def tool_schema(schema: dict[str, Any] | None, where: str) -> None:
-    """A tool's JSON schema must be strict JSON (1e400 parses as infinity): the schema reaches
-    the prompt and the Responses wire echoes it in its reply."""
-    try:
-        json.dumps(schema, allow_nan=False)
-    except ValueError:
-        raise CaptureError(400, f"{where}: a number is not finite", where) from None
-
-
 def arguments(text: str, where: str) -> dict[str, Any]:
     """Tool-call arguments sent as a JSON string: an object, nested no deeper than a request
     body may be (the parser's recursion limit), else 400."""
@@ -106,17 +158,9 @@ def arguments(text: str, where: str) -> dict[str, Any]:
     return args
 
 
-def refuse_tool_choice(choice: str, param: str = "tool_choice") -> None:
-    if choice not in ("auto", "none"):
-        raise CaptureError(
-            400, f"only {param} 'auto' or 'none' is supported (no constrained decoding)", param
-        )
-
-
 def refuse_structured_output(param: str) -> CaptureError:
-    return CaptureError(
-        400, f"structured output ({param}) is not supported (no constrained decoding)", param
-    )
+    why = f"structured output ({param}) is not supported (no constrained decoding)"
+    return CaptureError(400, why, param)
 
 
 def check_tool_results(messages: list[dict[str, Any]], where: list[str]) -> None:
@@ -129,13 +173,23 @@ def check_tool_results(messages: list[dict[str, Any]], where: list[str]) -> None
         elif msg["role"] != "tool":
             calls = None
         elif calls is None:
-            raise CaptureError(
-                400, f"{param}: a tool result must follow an assistant tool call", param
-            )
+            raise refuse(param, "a tool result must follow an assistant tool call")
         elif msg.get("tool_call_id") not in calls:
-            raise CaptureError(
-                400,
-                f"{param}: no tool call with id {msg.get('tool_call_id')!r} in the preceding "
-                "assistant message",
-                param,
-            )
+            called = f"no tool call with id {msg.get('tool_call_id')!r}"
+            raise refuse(param, f"{called} in the preceding assistant message")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def function_call(call: ToolCall) -> dict[str, str]:
+    """A reply's tool call as both OpenAI wires send it: the arguments as a JSON string."""
+    return {"name": call.name, "arguments": json.dumps(call.arguments)}
+
+
+def sse(data: dict[str, Any], named: bool = True) -> str:
+    """One server-sent event; `named`: with an `event:` line (its type). The generator answers
+    whole turns, so a reply's events are all sent once the turn is done."""
+    head = f"event: {data['type']}\n" if named else ""
+    return f"{head}data: {json.dumps(data)}\n\n"

@@ -1,17 +1,13 @@
-"""molt-rollout: generation for Molt.
-
-Engines (vLLM servers owned by Ray actors), the session-affine router, the token client that
-implements molt-capture's generator contract, refit with pause/resume (docs/rollout.md), and
-the agent contract with its two runner forms (docs/agents.md), runner actors, the streaming
-prompt-group pool (docs/pool.md), the prompt data path and evaluation (docs/data.md).
-"""
+"""molt-rollout: generation for Molt. `agents` (the agent contract, runners, the prompt-group
+pool, data, eval), `engines` (vLLM servers, router, token client) and `refit` (weights into the
+engines); the public names below are importable from here."""
 
 from molt_capture.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "molt_rollout.agent": [
+    "molt_rollout.agents.agent": [
         "ChatAgent",
         "ChatContext",
         "Dropped",
@@ -20,7 +16,7 @@ _EXPORTS = {
         "Result",
         "RolloutDropped",
     ],
-    "molt_rollout.chat_runner": ["ChatRunner"],
+    "molt_rollout.agents.chat_runner": ["ChatRunner"],
     "molt_rollout.config": [
         "RefitConfig",
         "RolloutConfig",
@@ -28,11 +24,11 @@ _EXPORTS = {
         "VLLMConfig",
         "validate_rollout_config",
     ],
-    "molt_rollout.data": ["DataConfig", "PromptSource", "load_rows"],
-    "molt_rollout.env_runner": ["EnvRunner"],
-    "molt_rollout.eval": ["EvalConfig", "eval_metrics", "run_eval"],
-    "molt_rollout.loader": ["AgentLoadError", "load_agent"],
-    "molt_rollout.pool": ["Batch", "GroupResult", "PromptTask", "RolloutPool"],
+    "molt_rollout.agents.data": ["DataConfig", "PromptSource", "load_rows"],
+    "molt_rollout.agents.env_runner": ["EnvRunner"],
+    "molt_rollout.agents.eval": ["EvalConfig", "eval_metrics", "run_eval"],
+    "molt_rollout.agents.loader": ["AgentLoadError", "load_agent"],
+    "molt_rollout.agents.pool": ["Batch", "GroupResult", "PromptTask", "RolloutPool"],
 }
 # Loaded on first use, so importing one submodule pays for that one alone (molt_capture.lazy).
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

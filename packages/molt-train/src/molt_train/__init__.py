@@ -5,13 +5,7 @@ from molt_capture.lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "molt_train.actor_config": [
-        "ActorConfig",
-        "FSDPConfig",
-        "OptimConfig",
-        "lr_at",
-        "validate_actor_config",
-    ],
+    "molt_train.actor_config": ["ActorConfig", "FSDPConfig", "OptimConfig", "lr_at"],
     "molt_train.checkpoint": ["CheckpointManager"],
     "molt_train.model_group": ["ModelGroup"],
     "molt_train.packing": ["Sample"],

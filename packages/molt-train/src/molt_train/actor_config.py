@@ -1,5 +1,4 @@
-"""The actor's configuration (`--actor.*`, `--actor.optim.*`, `--fsdp.*`), checked once at
-start-up, and the learning-rate schedule every rank follows."""
+"""The actor's configuration (`--actor.*`, `--fsdp.*`), its checks, its learning-rate schedule."""
 
 import math
 from dataclasses import dataclass, field
@@ -41,8 +40,7 @@ class FSDPConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on the policy (`--actor.lora.*`; molt_train.lora): each targeted linear
-    layer computes W x + (alpha / rank) B A x with W frozen and only A, B trained."""
+    """Low-rank adapters on the policy (`--actor.lora.*`; molt_train.lora)."""
 
     rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
     alpha: float = 32.0  # scale = alpha / rank
@@ -50,7 +48,7 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["*_proj"])
     # How RL engines get the policy: merged = W + (alpha / rank) B A under W's name, through
     # the weight-transfer protocol; adapter = A and B alone, served by vLLM's LoRA support:
-    # a smaller refit, slower decoding, see docs/training.md, LoRA.
+    # a smaller refit, slower decoding (docs/concepts/refit.md).
     refit: Literal["merged", "adapter"] = "merged"
 
 
@@ -74,8 +72,7 @@ class ActorConfig:
 
 
 def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
-    """Raise ValueError naming the flags of a bad combination (before Ray starts; the device
-    checks are `validate_actor_devices`)."""
+    """ValueError naming the flags of a bad combination, before Ray starts."""
     n, optim = actor.num_workers, actor.optim
     if n < 1:
         raise ValueError(f"--actor.num_workers must be >= 1, got {n}")
@@ -84,17 +81,14 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
     for name in ("tp_size", "cp_size", "ep_size"):
         size = getattr(fsdp, name)
         if size < 1 or n % size:
-            raise ValueError(
-                f"--fsdp.{name} {size} must be >= 1 and divide --actor.num_workers {n}"
-            )
+            raise ValueError(f"--fsdp.{name} {size} must be >= 1, dividing --actor.num_workers {n}")
     if n % (fsdp.tp_size * fsdp.cp_size):
         raise ValueError(f"--fsdp.tp_size * --fsdp.cp_size must divide --actor.num_workers {n}")
     if (n // fsdp.tp_size) % fsdp.ep_size:
         raise ValueError("--fsdp.ep_size must divide --actor.num_workers / --fsdp.tp_size")
     if fsdp.cp_size > 1 and (fsdp.tp_size > 1 or fsdp.ep_size > 1):
         raise ValueError(
-            "--fsdp.cp_size > 1 with --fsdp.tp_size or --fsdp.ep_size > 1: context parallelism "
-            "is not combined with tensor or expert parallelism yet; use one of them"
+            "--fsdp.cp_size > 1 is not combined with --fsdp.tp_size or ep_size > 1 yet"
         )
     if actor.max_tokens_per_microbatch < 1 or actor.logprob_chunk_size < 1:
         raise ValueError("--actor.max_tokens_per_microbatch and --actor.logprob_chunk_size >= 1")
@@ -110,18 +104,15 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
 
 
 def validate_lora_config(lora: LoRAConfig) -> None:
-    """LoRA settings that are wrong on any model, or that would make the engines serve another
-    policy than the one trained."""
+    """LoRA settings wrong on any model, or that would serve another policy than trained."""
     # Imported here: ModelWorker imports this module and runs without Ray or vLLM (torchrun).
-    from molt_rollout.adapters import MAX_ENGINE_LORA_RANK
-    from molt_train.lora import adapts_lm_head
+    from molt_rollout.refit.adapters import MAX_ENGINE_LORA_RANK
 
     if lora.rank < 0:
         raise ValueError(f"--actor.lora.rank must be >= 0 (0: no LoRA), got {lora.rank}")
+    if lora.refit == "adapter" and not lora.rank:
+        raise ValueError("--actor.lora.refit adapter serves LoRA adapters: set --actor.lora.rank")
     if not lora.rank:
-        if lora.refit == "adapter":
-            raise ValueError("--actor.lora.refit adapter serves LoRA adapters: it needs "
-                             "--actor.lora.rank > 0")  # fmt: skip
         return
     if lora.refit == "adapter" and lora.rank > MAX_ENGINE_LORA_RANK:
         raise ValueError(
@@ -133,7 +124,10 @@ def validate_lora_config(lora: LoRAConfig) -> None:
         raise ValueError(f"--actor.lora.alpha must be > 0, got {lora.alpha}")
     if not lora.target_modules or not all(lora.target_modules):
         raise ValueError("--actor.lora.target_modules needs at least one non-empty module name")
-    if adapts_lm_head(lora.target_modules):
+    from nemo_automodel.components._peft.module_matcher import wildcard_match
+
+    # AutoModel's matcher: a pattern equals the module's name or matches it with wildcards.
+    if any(p == "lm_head" or wildcard_match(p, "lm_head") for p in lora.target_modules):
         # The trainer's log-probs read the LM head's weight directly (molt_train.token_stats),
         # so an adapter there would train nothing, yet its merged weight would be served; with
         # tied embeddings the engine would not load it at all.
@@ -147,17 +141,13 @@ def validate_actor_devices(actor: ActorConfig, fsdp: FSDPConfig, num_gpus_availa
     """What depends on the cluster's GPUs (0 on CPU), once Ray knows them."""
     n, on_gpu = actor.num_workers, num_gpus_available > 0
     if not on_gpu and max(fsdp.tp_size, fsdp.ep_size) > 1:
-        raise ValueError(
-            "--fsdp.tp_size / --fsdp.ep_size > 1 need GPUs: AutoModel's tensor and expert "
-            "parallelism run on CUDA devices only; on CPU the actor is FSDP2 data-parallel."
-        )
+        raise ValueError("--fsdp.tp_size / --fsdp.ep_size > 1 need GPUs (AutoModel's TP and EP)")
     if on_gpu and n > num_gpus_available:
         raise ValueError(f"--actor.num_workers {n} exceeds the {num_gpus_available} GPUs available")
 
 
 def lr_at(step: int, optim: OptimConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based): warmup (step + 1) / warmup_steps
-    of lr, then constant, or linear/cosine decay reaching min_lr at total_steps and staying."""
+    """The learning rate of 0-based step `step`: warmup, then constant, linear or cosine."""
     if step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     if optim.schedule == "constant":

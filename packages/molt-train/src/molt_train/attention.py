@@ -1,19 +1,7 @@
-"""Causal attention within each document of a packed row, without a mask.
+"""Causal attention within each document of a packed row, with no mask built."""
 
-For a packed row (position ids restarting at 0) transformers builds a dense block-diagonal
-[T, T] mask, which keeps SDPA off its causal kernels: cuDNN then computes the whole square
-(about 8x the causal work for four 2K documents in an 8K row; docs/benchmarks.md, "Trainer
-parity on one H200"). `document_attention` reads the documents' offsets that `pack` builds from
-the host-side lengths (no device sync) and runs, per row:
-
-- one document, or padded rows: SDPA's causal path, no mask;
-- several documents on CUDA in 16 bits: torch's varlen FlashAttention over the offsets;
-- otherwise (CPU, fp32): SDPA one document at a time, the reference the GPU path is tested
-  against.
-
-The name is not registered as a mask function, so transformers builds no mask at all for it
-(nor runs its packed-sequence detection, a device sync).
-"""
+# torch's varlen FlashAttention over the offsets `pack` builds from host-side lengths on CUDA
+# in 16 bits; SDPA one document at a time elsewhere, the reference the GPU path is tested against.
 
 import inspect
 from functools import cache
@@ -25,54 +13,36 @@ DOCUMENT_ATTENTION = "molt_documents"
 
 
 def document_kwargs(cu_seqlens: Tensor, lengths: list[int]) -> dict:
-    """Model-call kwargs that carry a packed row's document offsets to the attention layers
-    (transformers' names for them, which its models pass through to attention functions)."""
-    longest = max(lengths)
-    return dict(
-        cu_seq_lens_q=cu_seqlens,
-        cu_seq_lens_k=cu_seqlens,
-        max_length_q=longest,
-        max_length_k=longest,
-    )
+    """A packed row's document offsets as the kwargs transformers passes to attention."""
+    n = max(lengths)
+    return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=n, max_length_k=n)
 
 
-def enable_document_attention(model: torch.nn.Module) -> bool:
-    """Route the model's SDPA attention through `document_attention`; False (and nothing
-    changed) where the model attends through something else."""
+def route_sdpa(model: torch.nn.Module, name: str, attention) -> bool:
+    """Route the model's SDPA attention through `attention`; False where it has no SDPA."""
+    # Registered as no mask function: transformers builds no mask for it.
     from transformers import AttentionInterface
 
     if model.config._attn_implementation != "sdpa":
         return False
-    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
-    model.config._attn_implementation = DOCUMENT_ATTENTION
+    AttentionInterface.register(name, attention)
+    model.config._attn_implementation = name
     return True
 
 
-def document_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """transformers' attention interface: q/k/v [B, H, T, D] in, [B, T, H, D] out."""
+def document_attention(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface: q/k/v [B, H, T, D] in, ([B, T, H, D], None) out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if sliding_window is not None:
+    if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{DOCUMENT_ATTENTION} attention has no sliding window")
 
     def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out, _ = sdpa_attention_forward(
-            module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True
-        )
-        return out
+        causal = dict(dropout=dropout, scaling=scaling, is_causal=True)
+        return sdpa_attention_forward(module, q, k, v, None, **causal)[0]
 
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or cu.numel() <= 2 or query.shape[0] != 1:
+    if cu is None or cu.numel() <= 2 or query.shape[0] != 1:  # one document, or padded rows
         return sdpa(query, key, value), None
     longest = kwargs["max_length_q"]
     out = flash_attention(query, key, value, (cu, cu), (longest, longest), scaling, dropout)
@@ -86,17 +56,8 @@ def document_attention(
     return torch.cat(pieces, dim=1), None
 
 
-def flash_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    cu: tuple[Tensor, Tensor],
-    longest: tuple[int, int],
-    scale: float | None,
-    dropout: float,
-) -> Tensor | None:
-    """`varlen_attention` on transformers' layout (q/k/v [1, H, T, D] in, [1, T, H, D] out),
-    or None where FlashAttention does not apply: off CUDA, with dropout, or in 32 bits."""
+def flash_attention(query, key, value, cu, longest, scale, dropout) -> Tensor | None:
+    """`varlen_attention` on q/k/v [1, H, T, D]; None off CUDA, with dropout or in 32 bits."""
     if not query.is_cuda or dropout:
         return None
     # Under autocast q/k leave the fp32 norms and RoPE in fp32; SDPA is on autocast's list
@@ -116,13 +77,8 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu: tuple[Tensor, Tensor], longest: tuple[int, int], scale
-) -> Tensor:
-    """torch's varlen FlashAttention, causal within each document: q [Tq, H, D], k/v [Tk, Hkv,
-    D] -> [Tq, H, D]. `cu` and `longest`: the documents' offsets and longest length in q and
-    in k. Where a document has fewer queries than keys (a context-parallel window), the causal
-    mask is aligned bottom-right: its last query sees its last key."""
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu, longest, scale) -> Tensor:
+    """torch's varlen FlashAttention, causal (bottom-right) within each document."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()

@@ -1,81 +1,58 @@
 """The `molt-train` command: dotted flags generated from the run's dataclasses by tyro.
 
-    molt-train [--config run.toml] [--actor.* --ref.* --critic.* --fsdp.* --vllm.* --router.*
-                --refit.* --rollout.* --train.* --algo.* --data.* --eval.* --ckpt.* --logger.*]
+    molt-train [--config run.toml] [--actor.* --ref.* ... --logger.*]   RL (docs/reference/flags.md)
     molt-train quickstart [flags]     the tiny model learns the shipped task on CPU
-    molt-train sft [flags]
+    molt-train sft [flags]            supervised fine-tuning
+    molt-train flags-doc [path]       rewrites docs/reference/flags.md from tyro
 
-With no model or data flags a run trains the embedded tiny model on the shipped alphabet-halves
-task; `quickstart` adds the settings that learn it in a few minutes (docs/quickstart.md says
-how they were chosen). `--config` reads a TOML, YAML or JSON file of the same keys (a run
-directory's config.json among them); flags on the command line override it. Booleans take
-`--x`, `--no-x` and `--x true|false|True|False`.
-`python -m molt_train.cli flags-doc` rewrites docs/flags.md from what tyro reads.
+`--config` reads a TOML, YAML or JSON file of the same keys (a run directory's config.json among
+them); flags override it. Booleans take `--x`, `--no-x` and `--x true|false|True|False`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
+import signal
 import sys
+import tomllib
 import typing
 import warnings
 from pathlib import Path
-from typing import Any
 
 import tyro
+import yaml
 
+from molt_rollout.engines.lifeline import end_with_parent
 from molt_train.config import RunConfig, StartupError
-from molt_train.own_session import run_in_own_session
+from molt_train.quickstart import data_path
 
-# `molt-train quickstart`: the shipped alphabet-halves task (the defaults' data and agent) with
-# settings that learn it on CPU in a few minutes. Flags given after `quickstart` override these.
-QUICKSTART = [
-    "--actor.optim.lr", "5e-3",
-    "--actor.optim.schedule", "cosine",
-    "--actor.optim.total_steps", "40",
-    "--actor.optim.min_lr", "5e-4",
-    "--rollout.max_tokens", "1",
-    "--rollout.groups_per_batch", "16",
-    "--rollout.n_samples_per_prompt", "8",
-    "--train.async_queue_size", "0",
-    "--train.num_steps", "40",
-    "--eval.every_steps", "10",
-    "--vllm.dtype", "float32",  # the tiny model is fp32; vLLM's "auto" would downcast it
-]  # fmt: skip
+QUICKSTART = ["--config", str(data_path("settings.toml"))]  # what `molt-train quickstart` adds
+
+OUT_OF_MEMORY = (
+    "To fit: lower --actor.max_tokens_per_microbatch, or turn on --actor.gradient_checkpointing "
+    "or --fsdp.offload optimizer; beside a colocated engine, also --vllm.enable_sleep_mode or a "
+    "lower --vllm.gpu_memory_utilization (docs/operating.md, One GPU)."
+)
+
+# Library notices every start printed, none of them the user's to act on: torchao's kernels
+# built for other CUDA versions, and torch deprecating the pytree registration of torchao's enums.
+QUIET = {"torchao": "Failed to load ", "torch.utils._pytree": "is an Enum subclass"}
 
 _TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
 _BOOL_WORDS = {"true": "True", "false": "False", "True": "True", "False": "False"}
-
-
-def parse(argv: list[str], config_type: type = RunConfig, default=None):
-    """`--config FILE` and flags -> config (exits with the CLI's message on an unknown flag, a
-    bad value or a bad config file). `default`: the config the flags change (and `--help`
-    shows), instead of the dataclass defaults."""
-    argv = list(argv)
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            _exit("--config needs a file: TOML, YAML or JSON")
-        argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
-    argv = normalise_bools(argv, bool_flags(config_type))
-    return tyro.cli(config_type, args=argv, prog="molt-train", default=default, **_TYRO_STYLE)
+CONFIG_READERS = {".toml": tomllib.loads, ".json": json.loads, ".yaml": yaml.safe_load}
+CONFIG_READERS[".yml"] = yaml.safe_load
 
 
 def command() -> None:
-    """The `molt-train` program: `main` in a session of its own (molt_train.own_session says why).
-    Python callers run `main` in place."""
+    """The `molt-train` program: `main` in a session of its own, then exit at once (the
+    interpreter's exit would only shut Ray down after a sleep and tear down modules)."""
     run_in_own_session()
     main()
-    exit_now()
-
-
-def exit_now() -> typing.NoReturn:
-    """End the finished command at once. Its files are closed and its servers ended; what the
-    interpreter's exit would still do is Ray's atexit shutdown (a 0.5 s sleep first) and the
-    teardown of torch's, vLLM's and Ray's modules, about 1.5 s together (docs/benchmarks.md,
-    "A run's exit")."""
     if "ray" in sys.modules:
         import ray
 
@@ -84,31 +61,60 @@ def exit_now() -> typing.NoReturn:
     os._exit(0)
 
 
+def run_in_own_session() -> None:
+    """Fork; the child returns, to run the driver in a session of its own: a terminal's Ctrl-C,
+    `timeout` and job runners signal a whole process group, Ray's processes too, which the driver
+    needs to finish its step and save. The parent passes SIGINT and SIGTERM on (SIGHUP as
+    SIGTERM), exits with the child's status; killed, it stops the child (PR_SET_PDEATHSIG)."""
+    if not hasattr(os, "setsid"):  # not POSIX: run in place
+        return
+    sys.stdout.flush(), sys.stderr.flush()  # else their buffers would be written twice
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        end_with_parent()
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def forward(signum: int, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has just ended: waitpid returns
+            os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    # SIGINT and SIGTERM even where they came in ignored (a shell's background job ignores
+    # SIGINT): the driver's own handlers take them. `nohup`'s ignored SIGHUP stays ignored.
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, forward)
+    _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(128 - code if code < 0 else code)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "sft":
-        from molt_train.sft import SFTConfig, train_sft, validate_sft_config
-
-        cfg = parse(argv[1:], SFTConfig)
-        try:
-            validate_sft_config(cfg)
-        except ValueError as error:
-            _exit(str(error))
-        train_sft(cfg)
+    command = argv[0] if argv else ""
+    for name, text in QUIET.items():  # before the imports that log them
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+    if command == "flags-doc":
+        Path(argv[1] if len(argv) > 1 else "docs/reference/flags.md").write_text(flags_markdown())
         return
-    if argv and argv[0] == "flags-doc":
-        write_flags_doc(argv[1] if len(argv) > 1 else "docs/flags.md")
-        return
-    if argv and argv[0] == "quickstart":  # its settings are the defaults `--help` shows
-        cfg = parse(argv[1:], default=parse(QUICKSTART))
-    else:
-        cfg = parse(argv)
     import torch
 
-    from molt_rollout.engine import EngineError
-    from molt_train.loop import train
+    from molt_rollout.engines.engine import EngineError
     from molt_train.signals import Stopped
 
+    if command == "sft":
+        from molt_train.sft import SFTConfig
+        from molt_train.sft import train_sft as train
+
+        cfg = parse(argv[1:], SFTConfig)
+    else:  # quickstart: its settings are the defaults `--help` shows
+        from molt_train.loop import train
+
+        cfg = parse(argv[1:], default=parse(QUICKSTART)) if command == "quickstart" else parse(argv)
     try:
         train(cfg)  # validates before Ray or any engine starts
     except StartupError as error:
@@ -121,17 +127,25 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     except torch.OutOfMemoryError as error:  # a worker's, raised through Ray as its own type
         # The last line of the remote traceback Ray carries: torch's sizes.
-        torch_says = str(error).strip().splitlines()[-1].removeprefix("torch.OutOfMemoryError: ")
-        print(f"molt-train: a model ran out of GPU memory: {torch_says}\n{OUT_OF_MEMORY}",
-              file=sys.stderr)  # fmt: skip
+        says = str(error).strip().splitlines()[-1].removeprefix("torch.OutOfMemoryError: ")
+        print(
+            f"molt-train: a model ran out of GPU memory: {says}\n{OUT_OF_MEMORY}", file=sys.stderr
+        )
         raise SystemExit(1) from None
 
 
-OUT_OF_MEMORY = (
-    "To fit: lower --actor.max_tokens_per_microbatch, or turn on --actor.gradient_checkpointing "
-    "or --fsdp.offload optimizer; beside a colocated engine, also --vllm.enable_sleep_mode or a "
-    "lower --vllm.gpu_memory_utilization (docs/rollout.md, the memory arithmetic)."
-)
+def parse(argv: list[str], config_type: type = RunConfig, default=None):
+    """`--config FILE` and flags -> config, or exit with the CLI's message; `default`: --help's."""
+    argv = list(argv)
+    while "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            _exit("--config needs a file: TOML, YAML or JSON")
+        argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
+    argv = normalise_bools(
+        argv, {f"--{name}" for name, kind in _fields(config_type) if kind is bool}
+    )
+    return tyro.cli(config_type, args=argv, prog="molt-train", default=default, **_TYRO_STYLE)
 
 
 def _exit(message: str) -> typing.NoReturn:
@@ -139,70 +153,42 @@ def _exit(message: str) -> typing.NoReturn:
     raise SystemExit(2)
 
 
-# ---- booleans and config files --------------------------------------------------------------
-
-
 def _fields(config_type: type, prefix: str = ""):
     """(dotted name, type) of every leaf field, in declaration order."""
     hints = typing.get_type_hints(config_type)
     for f in dataclasses.fields(config_type):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            yield from _fields(kind, f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _fields(hints[f.name], f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}", kind
-
-
-def bool_flags(config_type: type) -> set[str]:
-    return {f"--{name}" for name, kind in _fields(config_type) if kind is bool}
+            yield f"{prefix}{f.name}", hints[f.name]
 
 
 def normalise_bools(argv: list[str], flags: set[str]) -> list[str]:
     """`--x`, `--no-x`, `--x=v` and `--x true|false` -> `--x True|False`, tyro's spelling."""
     out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    bare = False  # the last word was a flag given without its value: "True" stands in for it
+    for arg in argv:
         name, _, value = arg.partition("=")
-        negated = "--" + arg[len("--no-") :] if arg.startswith("--no-") else None
-        if negated in flags:
-            out += [negated, "False"]
-        elif name in flags and value:
-            out += [name, _BOOL_WORDS.get(value, value)]
-        elif arg in flags:
-            following = argv[i + 1] if i + 1 < len(argv) else None
-            if following in _BOOL_WORDS:
-                out += [arg, _BOOL_WORDS[following]]
-                i += 1
-            else:
-                out += [arg, "True"]
+        if bare and arg in _BOOL_WORDS:
+            out[-1] = _BOOL_WORDS[arg]
+        elif arg.startswith("--no-") and "--" + arg[5:] in flags:
+            out += ["--" + arg[5:], "False"]
+        elif name in flags:
+            out += [name, _BOOL_WORDS.get(value, value or "True")]
         else:
             out.append(arg)
-        i += 1
+        bare = arg in flags
     return out
 
 
 def config_file_flags(path: str, config_type: type = RunConfig) -> list[str]:
-    """A TOML/YAML/JSON run config as the flags it stands for (so the CLI checks its values
-    as it checks flags). Nested tables are the dotted groups; every key must be a flag."""
+    """A TOML/YAML/JSON run config as the flags it stands for (nested tables: dotted groups)."""
     file = Path(path)
-    if not file.is_file():
-        _exit(f"--config {path}: no such file")
+    if file.suffix not in CONFIG_READERS:
+        _exit(f"--config {path}: use a .toml, .yaml/.yml or .json file")
     try:
-        text = file.read_text()
-        if file.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif file.suffix == ".json":
-            data = json.loads(text)
-        else:
-            _exit(f"--config {path}: use a .toml, .yaml/.yml or .json file")
-    except Exception as error:  # a parse error of any of the three formats
+        data = CONFIG_READERS[file.suffix](file.read_text()) or {}
+    except Exception as error:  # no such file, or a parse error of any of the three formats
         _exit(f"--config {path}: cannot be read: {error}")
     known = dict(_fields(config_type))
     groups = {name.rsplit(".", 1)[0] for name in known if "." in name}
@@ -210,14 +196,13 @@ def config_file_flags(path: str, config_type: type = RunConfig) -> list[str]:
     for key, value in _flatten(data, known):
         if key not in known:
             what = "is a group, give its keys" if key in groups else "is not a setting"
-            _exit(f"--config {path}: key {key!r} {what} (see docs/flags.md)")
+            _exit(f"--config {path}: key {key!r} {what} (see docs/reference/flags.md)")
         flags += [f"--{key}", *_as_words(value)]
     return flags
 
 
-def _flatten(data: Any, known: dict, prefix: str = ""):
-    """(flag, value) pairs; a table is a group of settings unless it is a setting's value
-    (a dict-valued setting such as --rollout.chat_template_kwargs)."""
+def _flatten(data: typing.Any, known: dict, prefix: str = ""):
+    """(flag, value) pairs; a table is a group unless a setting's value (a dict-valued setting)."""
     if not isinstance(data, dict):
         _exit(f"--config: expected a table of settings, got {data!r}")
     for key, value in data.items():
@@ -228,15 +213,12 @@ def _flatten(data: Any, known: dict, prefix: str = ""):
             yield name, value
 
 
-def _as_words(value: Any) -> list[str]:
+def _as_words(value: typing.Any) -> list[str]:
     if isinstance(value, dict):
         return [word for k, v in value.items() for word in (str(k), *_as_words(v))]
     if isinstance(value, list | tuple):
         return [word for v in value for word in _as_words(v)]
     return [str(value)]  # True/False/None print as tyro reads them
-
-
-# ---- docs/flags.md ---------------------------------------------------------------------------
 
 
 def flag_rows(config_type: type) -> list[tuple[str, str, str, str]]:
@@ -249,9 +231,8 @@ def flag_rows(config_type: type) -> list[tuple[str, str, str, str]]:
         if not action.option_strings or action.option_strings[0] == "-h":
             continue
         meaning, _, default = (action.help or "").rpartition("(default: ")
-        default = default.removesuffix(")")
-        # Shipped files default to paths inside the installed package: show them portably.
-        default = default.replace(str(Path(__file__).parent), "<molt_train>")
+        # Shipped files default to paths inside the installed package: shown portably.
+        default = default.removesuffix(")").replace(str(Path(__file__).parent), "<molt_train>")
         rows.append((action.option_strings[0], str(action.metavar), default, meaning.strip()))
     return rows
 
@@ -273,11 +254,6 @@ def flags_markdown() -> str:
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
         lines.append("")
     return "\n".join(lines)
-
-
-def write_flags_doc(path: str) -> None:
-    with open(path, "w") as f:
-        f.write(flags_markdown())
 
 
 if __name__ == "__main__":

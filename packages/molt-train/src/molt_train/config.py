@@ -1,13 +1,6 @@
-"""The run configuration: one typed dataclass per concern, composed into `RunConfig`.
-
-Every field is a dotted CLI flag (`--algo.advantage.estimator grpo`, `--fsdp.tp_size 2`); the
-CLI is generated from these classes (cli.py) and docs/flags.md from the same. Each setting has
-one owner, the lowest package that reads it: rollout, engine, router, refit, data and eval
-settings are molt-rollout's dataclasses, the estimator, IS, loss, KL and reward-shaping
-settings molt-algos',
-the actor's are in actor_config.py; this module composes them and adds the loop's own.
-`validate_run_config` is the one start-up check of combinations: it raises naming the flags.
-"""
+"""The run configuration: one dataclass per concern, composed into `RunConfig`. Every field is
+a dotted CLI flag (`--algo.advantage.estimator grpo`), owned by the lowest package that reads it;
+the CLI and docs/reference/flags.md are generated from them. Checks: molt_train.validate."""
 
 from __future__ import annotations
 
@@ -15,46 +8,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from molt_algos import (
-    GROUP_ESTIMATORS,
-    KL_IN_REWARD_ESTIMATORS,
-    LOSS_AGGREGATION,
-    AdvantageConfig,
-    AggregationName,
-    KLConfig,
-    LossConfig,
-    PolicyLossName,
-    RewardConfig,
-    validate_advantage_config,
-    validate_is_correction,
-    validate_loss_config,
-    validate_reward_config,
-)
-from molt_rollout import (
-    ChatRunner,
-    RefitConfig,
-    RolloutConfig,
-    RouterConfig,
-    VLLMConfig,
-    load_agent,
-    validate_rollout_config,
-)
-from molt_rollout.adapters import AdapterServing
-from molt_rollout.config import (
-    COLOCATED_GPU_MEMORY_UTILIZATION,
-    GPU_MEMORY_UTILIZATION,
-    validate_engine_devices,
-)
-from molt_rollout.data import DataConfig, validate_data_config
-from molt_rollout.eval import EvalConfig, validate_eval_config
-from molt_train.actor_config import (
-    ActorConfig,
-    FSDPConfig,
-    OptimConfig,
-    validate_actor_config,
-    validate_actor_devices,
-)
-from molt_train.logger import LoggerConfig, validate_logger_config
+from molt_algos import LOSS_AGGREGATION, AlgoConfig, RewardConfig, estimator_needs
+from molt_rollout import RefitConfig, RolloutConfig, RouterConfig, VLLMConfig
+from molt_rollout.agents.data import DataConfig
+from molt_rollout.agents.eval import EvalConfig
+from molt_rollout.config import COLOCATED_GPU_MEMORY_UTILIZATION, GPU_MEMORY_UTILIZATION
+from molt_rollout.refit.adapters import AdapterServing
+from molt_train.actor_config import ActorConfig, FSDPConfig, OptimConfig
+from molt_train.logger import LoggerConfig
+from molt_train.quickstart import data_path
 
 
 class StartupError(ValueError):
@@ -77,34 +39,6 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per batch (groups_per_batch must divide by it)
     output_dir: str = "runs"  # the run directory is output_dir/<run name>
     ray_address: str | None = None  # an existing Ray cluster; None starts a local one
-
-
-@dataclass
-class AlgoConfig:
-    """What is optimised (`--algo.*`): estimator, loss, aggregation, filtering, KL."""
-
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    policy_loss: PolicyLossName = "ppo"  # the policy loss (docs/algorithms.md)
-    loss: LossConfig = field(default_factory=LossConfig)
-    # How per-token losses become one scalar; None: the policy loss's own (molt_algos'
-    # LOSS_AGGREGATION: seq-mean-token-mean for gspo, as its paper, token-mean otherwise).
-    aggregation: AggregationName | None = None
-    entropy_aggregation: AggregationName | None = None  # entropy bonus; None: --algo.aggregation
-    kl_aggregation: AggregationName | None = None  # KL loss term; None: --algo.aggregation
-    value_aggregation: AggregationName | None = None  # critic (gae); None: --algo.aggregation
-    dynamic_filtering_enable: bool = False  # drop groups whose scores are all equal, backfill
-    kl: KLConfig = field(default_factory=KLConfig)
-    entropy_coef: float = 0.0  # entropy bonus in the loss
-    score_centering: bool = False  # score minus the sampler's top-k expectation (centering.py)
-
-    def aggregation_of(self, loss: str) -> str:
-        """The aggregation mode of `loss`: policy, entropy, kl or value."""
-        own = {"policy": None, "entropy": self.entropy_aggregation,
-               "kl": self.kl_aggregation, "value": self.value_aggregation}[loss]  # fmt: skip
-        return own or self.aggregation
-
-    def aggregations(self) -> set[str]:
-        return {self.aggregation_of(loss) for loss in ("policy", "entropy", "kl", "value")}
 
 
 @dataclass
@@ -141,10 +75,8 @@ class CheckpointConfig:
 
 def quickstart_data() -> DataConfig:
     """With no --data flags a run trains on the shipped alphabet-halves task (the quickstart)."""
-    from molt_train.quickstart import data_path
-
-    return DataConfig(train_files=[str(data_path("halves_train.jsonl"))],
-                      eval_files=[str(data_path("halves_eval.jsonl"))])  # fmt: skip
+    train, held_out = (str(data_path(f"halves_{split}.jsonl")) for split in ("train", "eval"))
+    return DataConfig(train_files=[train], eval_files=[held_out])
 
 
 @dataclass
@@ -167,8 +99,7 @@ class RunConfig:
 
 
 def resolved(cfg: RunConfig) -> RunConfig:
-    """The config with every setting that defaults to "decided by another" decided: what runs,
-    and what config.json records."""
+    """Every setting that defaults to "decided by another" decided, as config.json records."""
     algo, vllm = cfg.algo, cfg.vllm
     if algo.aggregation is None:
         algo = dataclasses.replace(algo, aggregation=LOSS_AGGREGATION[algo.policy_loss])
@@ -178,106 +109,11 @@ def resolved(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, algo=algo, vllm=vllm, reward=resolved_reward(cfg))
 
 
-def may_train_stale_tokens(cfg: RunConfig) -> bool:
-    """Whether a trained token can come from older weights than the ones being trained."""
-    train = cfg.train
-    return not train.force_on_policy or train.epochs_per_batch > 1 or train.mini_batches > 1
-
-
-# ---- validation: once, at start-up, one function per concern ------------------------------
-
-
-def validate_run_config(cfg: RunConfig, cluster_gpus: int | None = None) -> None:
-    """Raise StartupError naming the flags of any combination that cannot work. `cluster_gpus`:
-    GPUs the Ray cluster has (0 on CPU); None before Ray starts defers the device checks, which
-    `validate_devices` makes once the cluster is known. Choices (`Literal` fields) the CLI has
-    already checked."""
-    try:
-        validate_algo(cfg)
-        validate_reward(cfg)
-        validate_asynchrony(cfg)
-        validate_actor_config(cfg.actor, cfg.fsdp)
-        validate_rollout_config(cfg.rollout, cfg.vllm, cfg.router, cfg.refit)
-        validate_data_config(cfg.data)
-        validate_eval_config(cfg.eval)
-        validate_logger_config(cfg.logger)
-        validate_checkpoints(cfg)
-        validate_colocation(cfg)
-        validate_adapter_refit(cfg)
-        validate_model_ranks(cfg)
-    except ValueError as error:
-        raise StartupError(str(error)) from None
-    if cluster_gpus is not None:
-        validate_devices(cfg, cluster_gpus)
-
-
-def validate_algo(cfg: RunConfig) -> None:
-    """The estimator, loss and KL settings, and what they need of the rest of the run."""
-    algo, adv = cfg.algo, cfg.algo.advantage
-    validate_advantage_config(adv)
-    validate_is_correction(adv)
-    validate_loss_config(algo.policy_loss, algo.loss)
-    if adv.estimator in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
-        raise ValueError(
-            f"--algo.advantage.estimator {adv.estimator} compares the samples of a prompt: "
-            f"--rollout.n_samples_per_prompt must be >= 2, got {cfg.rollout.n_samples_per_prompt}"
-        )
-    if (adv.kl_coef > 0 or algo.kl.loss_coef > 0) and not cfg.ref.enable:
-        raise ValueError(
-            "--algo.advantage.kl_coef / --algo.kl.loss_coef need a reference model: "
-            "add --ref.enable"
-        )
-    if algo.kl.target is not None and adv.estimator not in KL_IN_REWARD_ESTIMATORS:
-        raise ValueError("--algo.kl.target adapts the reward KL coefficient, which "
-                         f"--algo.advantage.estimator {adv.estimator} does not use")  # fmt: skip
-    if algo.kl.target is not None and (algo.kl.target <= 0 or algo.kl.horizon <= 0):
-        raise ValueError("--algo.kl.target and --algo.kl.horizon must be > 0")
-    if adv.estimator == "on_policy_distill" and not cfg.ref.enable:
-        raise ValueError(
-            "--algo.advantage.estimator on_policy_distill: the teacher is the reference model; "
-            "add --ref.enable --ref.model_path TEACHER"
-        )
-    if algo.score_centering:
-        validate_score_centering(cfg)
-    if adv.is_correction_level != "off" and cfg.rollout.top_p < 1.0:
-        raise ValueError(
-            f"--algo.advantage.is_correction_level {adv.is_correction_level} with "
-            f"--rollout.top_p {cfg.rollout.top_p}: top-p sampling renormalises the engine's "
-            "log-probs over the nucleus, which the trainer cannot reproduce, so the IS ratio "
-            "would be biased; use --rollout.top_p 1.0"
-        )
-
-
-def validate_score_centering(cfg: RunConfig) -> None:
-    """--algo.score_centering reads the engine's top-k candidates and the hidden states."""
-    adv = cfg.algo.advantage
-    if cfg.rollout.top_logprobs < 1:
-        raise ValueError(
-            "--algo.score_centering subtracts the sampler's expected score over its top-k "
-            "head: set --rollout.top_logprobs k (e.g. 8)"
-        )
-    if adv.is_correction_level in ("seq", "geo"):
-        raise ValueError(
-            f"--algo.score_centering with --algo.advantage.is_correction_level "
-            f"{adv.is_correction_level}: centring corrects per token and composes with token IS "
-            "weights only; a sequence gate would mix the two corrections. Use level token or off"
-        )
-    if cfg.fsdp.tp_size > 1 or cfg.fsdp.ep_size > 1 or cfg.fsdp.cp_size > 1:
-        raise ValueError(
-            "--algo.score_centering computes candidate log-probs from the whole row's hidden "
-            "states, which --fsdp.tp_size, --fsdp.ep_size or --fsdp.cp_size > 1 do not give: "
-            "use 1 for each"
-        )
-
-
 def response_budget(cfg: RunConfig) -> int | None:
-    """The response-token budget of the overlong penalty: --reward.max_response_len, else
-    the rollout's limit on generated tokens (all turns), else its per-turn limit."""
+    """The overlong penalty's budget: the first of the three limits that is set."""
     rollout = cfg.rollout
-    for budget in (cfg.reward.max_response_len, rollout.max_response_tokens, rollout.max_tokens):
-        if budget is not None:
-            return budget
-    return None
+    budgets = (cfg.reward.max_response_len, rollout.max_response_tokens, rollout.max_tokens)
+    return next((budget for budget in budgets if budget is not None), None)
 
 
 def resolved_reward(cfg: RunConfig) -> RewardConfig:
@@ -287,238 +123,29 @@ def resolved_reward(cfg: RunConfig) -> RewardConfig:
     return dataclasses.replace(cfg.reward, max_response_len=response_budget(cfg))
 
 
-def validate_reward(cfg: RunConfig) -> None:
-    """Length shaping (`--reward.*`): the overlong penalty needs a known budget."""
-    if cfg.reward.overlong_buffer_len > 0 and response_budget(cfg) is None:
-        raise ValueError(
-            f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} ramps a penalty up "
-            "to the response budget, which is unknown: set --reward.max_response_len, "
-            "--rollout.max_response_tokens or --rollout.max_tokens"
-        )
-    try:
-        validate_reward_config(resolved_reward(cfg))
-    except ValueError as error:
-        raise ValueError(f"--reward.*: {error}") from None
-
-
-def validate_asynchrony(cfg: RunConfig) -> None:
-    """The loop's step structure, staleness and its correction, and routing replay."""
-    train, adv = cfg.train, cfg.algo.advantage
-    if train.num_steps < 1 or train.epochs_per_batch < 1 or train.mini_batches < 1:
-        raise ValueError(
-            "--train.num_steps, --train.epochs_per_batch, --train.mini_batches must be >= 1"
-        )
-    if train.async_queue_size < 0:
-        raise ValueError("--train.async_queue_size must be >= 0")
-    if train.max_staleness is not None and train.max_staleness < 0:
-        raise ValueError(f"--train.max_staleness must be >= 0 or None, got {train.max_staleness}")
-    if cfg.rollout.groups_per_batch % train.mini_batches:
-        raise ValueError(
-            f"--rollout.groups_per_batch {cfg.rollout.groups_per_batch} does not divide into "
-            f"--train.mini_batches {train.mini_batches}"
-        )
-    if train.force_on_policy and (train.epochs_per_batch > 1 or train.mini_batches > 1):
-        raise ValueError(
-            "--train.force_on_policy with --train.epochs_per_batch > 1 or --train.mini_batches "
-            "> 1: after the batch's first optimizer step its tokens are no longer on-policy; "
-            "use one epoch and one mini-batch, or drop --train.force_on_policy"
-        )
-    if may_train_stale_tokens(cfg) and adv.is_correction_level == "off":
-        raise ValueError(
-            "stale tokens without an importance-sampling correction: asynchronous training "
-            "(--train.force_on_policy False, --train.async_queue_size "
-            f"{train.async_queue_size}, --train.partial_rollout_enable "
-            f"{train.partial_rollout_enable}) trains tokens sampled by older weights; set "
-            "--algo.advantage.is_correction_level token|seq|geo, or --train.force_on_policy"
-        )
-    if train.routing_replay and cfg.vllm.mtp_num_speculative_tokens > 0:
-        raise ValueError(
-            "--train.routing_replay with --vllm.mtp_num_speculative_tokens > 0: speculative "
-            "decoding verifies draft tokens in batches, so the engine's routed experts are not "
-            "those of the sampled tokens one by one; disable one of the two"
-        )
-    if train.routing_replay and cfg.fsdp.cp_size > 1:
-        raise ValueError(
-            "--train.routing_replay with --fsdp.cp_size > 1: replay runs on native MoE layers, "
-            "whose rows are not split into context-parallel windows; use --fsdp.cp_size 1"
-        )
-    if train.routing_replay and not cfg.vllm.enable_return_routed_experts:
-        raise ValueError(
-            "--train.routing_replay replays the experts the engines report: add "
-            "--vllm.enable_return_routed_experts"
-        )
-
-
-def validate_checkpoints(cfg: RunConfig) -> None:
-    """Checkpoint cadence and the best-checkpoint metric, which evals must produce."""
-    ckpt = cfg.ckpt
-    if ckpt.keep_last < 1 or ckpt.every_steps < 0:
-        raise ValueError("--ckpt.keep_last must be >= 1 and --ckpt.every_steps >= 0")
-    if ckpt.best_metric is None:
-        return
-    if not ckpt.best_metric.startswith("eval/"):
-        raise ValueError(
-            f"--ckpt.best_metric {ckpt.best_metric!r}: the best checkpoint is chosen by an "
-            "eval metric, e.g. eval/pass@1 or eval/<data source>/pass@1"
-        )
-    if not cfg.eval.every_steps:
-        raise ValueError(
-            f"--ckpt.best_metric {ckpt.best_metric} needs evaluations: set --eval.every_steps"
-        )
-
-
-def validate_colocation(cfg: RunConfig) -> None:
-    """--train.colocate: one engine on the GPU of the trainer's rank 0, refit over CUDA IPC."""
-    vllm, backend = cfg.vllm, cfg.refit.backend
-    if not cfg.train.colocate:
-        if backend == "molt_ipc":
-            raise ValueError("--refit.backend molt_ipc shares the trainer's GPU memory with an engine "
-                             "on the same GPU: add --train.colocate")  # fmt: skip
-        if vllm.enable_sleep_mode:
-            raise ValueError("--vllm.enable_sleep_mode frees the engine's GPU memory for a "
-                             "trainer on the same GPU: add --train.colocate")  # fmt: skip
-        return
-    if vllm.enable_sleep_mode and cfg.train.partial_rollout_enable:
-        raise ValueError(
-            "--vllm.enable_sleep_mode drops the engine's KV cache for the training step, so "
-            "requests kept across it (--train.partial_rollout_enable True) would lose theirs: "
-            "add --train.partial_rollout_enable False (in-flight requests finish first)"
-        )
-    if vllm.ray_resources or cfg.actor.ray_resources:
-        raise ValueError("--train.colocate places engine and trainer in shared GPU bundles; "
-                         "--vllm.ray_resources and --actor.ray_resources do not apply")  # fmt: skip
-    if backend not in ("auto", "molt_ipc"):
-        raise ValueError(f"--train.colocate with --refit.backend {backend}: the engine shares "
-                         "the trainer's GPU, so weights go over CUDA IPC; use auto or molt_ipc")  # fmt: skip
-    if (vllm.num_engines != vllm.engines_per_gpu
-            or vllm.tensor_parallel_size * vllm.data_parallel_size != 1):  # fmt: skip
-        raise ValueError(
-            "--train.colocate runs its engines on one GPU beside the trainer's rank 0 (CUDA-IPC "
-            "handles come from rank 0's GPU): use --vllm.num_engines equal to "
-            "--vllm.engines_per_gpu (1, or 2 for a small model: docs/rollout.md), "
-            "--vllm.tensor_parallel_size 1, --vllm.data_parallel_size 1"
-        )
-
-
 def trained_staleness(cfg: RunConfig) -> int | None:
-    """The lag in weight versions a trained token may have (the pool's bound; None: any)."""
+    """The lag in weight versions a trained token may have (None: any)."""
     return 0 if cfg.train.force_on_policy else cfg.train.max_staleness
 
 
 def adapter_serving(cfg: RunConfig) -> AdapterServing | None:
-    """--actor.lora.refit adapter: what the engines need to serve the policy's adapters (the
-    one place their LoRA settings come from). They keep the adapters of the versions whose
-    tokens the trainer can still train, `max_staleness + 1` of them (molt_rollout.adapters)."""
+    """--actor.lora.refit adapter: the engines keep the adapters the trainer may still train."""
     lora = cfg.actor.lora
     if lora.refit != "adapter":
         return None
     return AdapterServing(rank=lora.rank, keep=trained_staleness(cfg) + 1)
 
 
-# vLLM's LoRA flags, which --actor.lora.refit adapter sets from the trained adapters' settings.
-ENGINE_LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
-                     "--lora-modules", "--lora-target-modules")  # fmt: skip
-
-
-def validate_adapter_refit(cfg: RunConfig) -> None:
-    """--actor.lora.refit: the engines serve the trained adapters as they are, or refuse."""
-    vllm = cfg.vllm
-    if cfg.actor.lora.refit != "adapter":
-        return
-    given = [a for a in vllm.extra_args if a.split("=")[0] in ENGINE_LORA_FLAGS]
-    if given:
-        raise ValueError(
-            f"--vllm.extra_args {given[0]} with --actor.lora.refit adapter: the engines' LoRA "
-            "settings follow the trained adapters (molt_train.config.adapter_serving)"
+def model_configs(cfg: RunConfig) -> dict[str, ActorConfig]:
+    """Each model the run trains or queries, policy first, each with the actor's settings."""
+    actor = cfg.actor
+    models = {"policy": actor}
+    if cfg.ref.enable:
+        path, workers = cfg.ref.model_path or actor.model_path, cfg.ref.num_workers
+        models["reference"] = dataclasses.replace(actor, model_path=path, num_workers=workers)
+    if estimator_needs(cfg.algo.advantage.estimator).critic:
+        path, workers = cfg.critic.model_path or actor.model_path, cfg.critic.num_workers
+        models["critic"] = dataclasses.replace(
+            actor, model_path=path, num_workers=workers, optim=cfg.critic.optim
         )
-    if trained_staleness(cfg) is None:
-        raise ValueError(
-            "--actor.lora.refit adapter with --train.max_staleness None: the engines keep the "
-            "adapters of the versions the trainer may still train, and with no staleness bound "
-            "that is every version of the run; set --train.max_staleness (e.g. 2)"
-        )
-    if cfg.refit.report_unupdated:
-        raise ValueError(
-            "--refit.report_unupdated checksums the engines' weights around a refit, and the "
-            "adapter refit (--actor.lora.refit adapter) changes none of them: use merged"
-        )
-    if vllm.enable_sleep_mode:
-        raise ValueError(
-            "--vllm.enable_sleep_mode with --actor.lora.refit adapter: whether vLLM keeps the "
-            "loaded adapters through sleep and wake-up is not checked; use --actor.lora.refit "
-            "merged, which refits after every wake-up"
-        )
-
-
-def model_roles(cfg: RunConfig) -> list[str]:
-    """The models the run trains or queries (policy first)."""
-    roles = ["policy"] + (["reference"] if cfg.ref.enable else [])
-    return roles + (["critic"] if cfg.algo.advantage.estimator == "gae" else [])
-
-
-def validate_model_ranks(cfg: RunConfig) -> None:
-    """Every model group is parallelised by the same `--fsdp.*` sizes: the reference's and the
-    critic's ranks must divide into them as the actor's do (validate_actor_config)."""
-    fsdp = cfg.fsdp
-    flags = {"reference": "--ref.num_workers", "critic": "--critic.num_workers"}
-    for role, ranks in zip(model_roles(cfg), model_ranks(cfg), strict=True):
-        if role == "policy":
-            continue
-        if (
-            ranks < 1
-            or ranks % (fsdp.tp_size * fsdp.cp_size)
-            or (ranks // fsdp.tp_size) % fsdp.ep_size
-        ):
-            raise ValueError(
-                f"{flags[role]} {ranks}: every model is parallelised by --fsdp.tp_size "
-                f"{fsdp.tp_size}, --fsdp.cp_size {fsdp.cp_size} and --fsdp.ep_size "
-                f"{fsdp.ep_size}, so its ranks must be a multiple of tp_size x cp_size, "
-                "with ep_size dividing ranks / tp_size"
-            )
-
-
-def model_ranks(cfg: RunConfig) -> list[int]:
-    """Ranks of each model of the run, in model_roles' order."""
-    of = {"policy": cfg.actor.num_workers, "reference": cfg.ref.num_workers,
-          "critic": cfg.critic.num_workers}  # fmt: skip
-    return [of[role] for role in model_roles(cfg)]
-
-
-def validate_devices(cfg: RunConfig, cluster_gpus: int) -> None:
-    """What depends on the cluster's GPUs (0 on CPU): checked once Ray knows them."""
-    ranks = model_ranks(cfg)
-    vllm = cfg.vllm
-    engine_gpus = (vllm.num_engines * vllm.tensor_parallel_size * vllm.data_parallel_size
-                   // vllm.engines_per_gpu)  # fmt: skip
-    # Colocated roles and the engine share bundles; otherwise every rank has a GPU of its own.
-    gpus_wanted = max(ranks) if cfg.train.colocate else sum(ranks) + engine_gpus
-    try:
-        if cfg.train.colocate and not cluster_gpus:
-            raise ValueError("--train.colocate shares GPUs between engine and trainer, but the "
-                             "Ray cluster has none")  # fmt: skip
-        if cluster_gpus and gpus_wanted > cluster_gpus:
-            raise ValueError(
-                f"the run asks for {gpus_wanted} GPUs (--actor.num_workers, --vllm.num_engines "
-                "x --vllm.tensor_parallel_size x --vllm.data_parallel_size / "
-                "--vllm.engines_per_gpu, --ref.num_workers, "
-                f"--critic.num_workers) but the Ray cluster has {cluster_gpus}"
-            )
-        validate_actor_devices(cfg.actor, cfg.fsdp, cluster_gpus)
-        validate_engine_devices(cfg.vllm, cluster_gpus > 0)
-    except ValueError as error:
-        raise StartupError(str(error)) from None
-
-
-def validate_agent(cfg: RunConfig) -> None:
-    """Import the agent module (AgentLoadError names what is wrong) and check it against the
-    data flags."""
-    try:
-        runner = load_agent(cfg.train.agent_path)
-    except ValueError as error:
-        raise StartupError(str(error)) from None
-    if issubclass(runner, ChatRunner) and not cfg.data.apply_chat_template:
-        raise StartupError(
-            f"--data.apply_chat_template False with the ChatAgent in {cfg.train.agent_path}: "
-            "a ChatAgent's messages are always rendered by the capture server with the chat "
-            "template; verbatim string prompts need the Env form"
-        )
+    return models

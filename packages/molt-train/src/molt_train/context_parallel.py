@@ -1,26 +1,15 @@
-"""Context parallelism over packed rows (`--fsdp.cp_size C`): every rank of a CP group holds
-the same microbatch and runs the model on one C-th of its packed row.
+"""Context parallelism (`--fsdp.cp_size`): each rank runs the model on a window of the row."""
 
-- The row is padded to a multiple of C (the padding is one more document, never trained) and
-  cut into C contiguous windows; rank c runs the model on window c. Every layer but attention
-  works token by token, and the position ids carry each token's place in its document.
-- Each attention layer all-gathers K and V over the group (their gradients go back by a
-  reduce-scatter) and runs this window's queries within their documents: a document's queries
-  here see its keys from the document's start up to themselves, the keys ending where the
-  queries end (causal, aligned bottom-right), which is exact for any cut.
-- Per-position results (log-probs, entropy, values) are gathered back into the whole row, so
-  every rank of the group computes the loss, its aggregation and the metrics exactly as
-  without CP. All ranks then hold the same loss, so the gather's backward keeps the rank's own
-  window of the gradient rather than summing the group's copies.
+# docs/concepts/trainer.md, "Context parallelism".
 
-Why all-gather and not a ring: one collective per layer, K and V being a small share of the
-activations under GQA, and no per-step mask bookkeeping. docs/training.md, "Context
-parallelism".
-"""
+# The row is padded to a multiple of C by one more (untrained) document; attention all-gathers
+# K and V and runs the window's queries within their documents, causal aligned bottom-right
+# (exact for any cut); per-position results are gathered back into the whole row.
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -43,8 +32,7 @@ class ContextShard:
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """Which keys this window's queries see, per document piece (host-side ints, and the
-    offsets as tensors for the varlen kernel)."""
+    """Which keys this window's queries see, per document piece."""
 
     shard: ContextShard
     key_start: int  # the first key any query here sees: its first document's start
@@ -58,7 +46,7 @@ class KeyLayout:
 
 @dataclass
 class Window:
-    """A packed row's window on this rank: the model's inputs and the way back to the row."""
+    """This rank's window of a packed row: the model's inputs and the way back to the row."""
 
     inputs: dict  # input_ids, position_ids and the attention's key layout
     targets: Tensor  # [1, W] the token each window position predicts (padding: 0)
@@ -66,29 +54,22 @@ class Window:
     length: int  # tokens in the unpadded row
 
     def whole(self, per_position: Tensor) -> Tensor:
-        """[1, W, ...] values of this window -> [1, T - 1, ...] of the row's positions that
-        predict a token (1..T-1), identical on every rank of the group."""
+        """[1, W, ...] of this window -> [1, T - 1, ...] of the row, the same on every rank."""
         row = _GatherWindows.apply(per_position, self.shard, 1, False)
         return row[:, : self.length - 1]
 
 
 def window(batch: PackedBatch, shard: ContextShard) -> Window:
-    """This rank's window of a packed row (`batch.cu_seqlens` set: not padded rows)."""
-    if batch.cu_seqlens is None:
-        raise ValueError("context parallelism needs packed rows")
+    """This rank's window of a packed row."""
     length = sum(batch.lengths)
     width = -(-length // shard.size)
     pad = width * shard.size - length
     ids = torch.nn.functional.pad(batch.input_ids, (0, pad))
-    positions = batch.position_ids
-    if pad:
-        tail = torch.arange(pad, device=positions.device, dtype=positions.dtype)[None]
-        positions = torch.cat([positions, tail], dim=1)
+    tail = torch.arange(pad, device=ids.device, dtype=batch.position_ids.dtype)[None]
+    positions = torch.cat([batch.position_ids, tail], dim=1)
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
     lo, hi = shard.rank * width, (shard.rank + 1) * width
-    bounds = [0]
-    for n in [*batch.lengths, pad] if pad else batch.lengths:
-        bounds.append(bounds[-1] + n)
+    bounds = list(accumulate([0, *batch.lengths, pad]))  # the padding: one more document
     pieces = [
         (max(start, lo), min(end, hi), start, min(end, hi))
         for start, end in zip(bounds[:-1], bounds[1:], strict=True)
@@ -96,28 +77,23 @@ def window(batch: PackedBatch, shard: ContextShard) -> Window:
     ]
     key_start = pieces[0][2]
     local = [(qs - lo, qe - lo, ks - key_start, ke - key_start) for qs, qe, ks, ke in pieces]
+    queries = [qe - qs for qs, qe, _, _ in local]
+    keys = [ke - ks for _, _, ks, ke in local]
 
     def offsets(spans: list[int]) -> Tensor:  # from host ints: to a GPU without a sync
         return _to(torch.tensor([0, *spans]).cumsum(0, dtype=torch.int32), ids.device)
 
-    layout = KeyLayout(
-        shard=shard,
-        key_start=key_start,
-        key_end=hi,
-        pieces=local,
-        cu_q=offsets([qe - qs for qs, qe, _, _ in local]),
-        cu_k=offsets([ke - ks for _, _, ks, ke in local]),
-        max_q=max(qe - qs for qs, qe, _, _ in local),
-        max_k=max(ke - ks for _, _, ks, ke in local),
-    )
+    cu_q, cu_k = offsets(queries), offsets(keys)
+    layout = KeyLayout(shard, key_start, hi, local, cu_q, cu_k, max(queries), max(keys))
     inputs = dict(input_ids=ids[:, lo:hi], position_ids=positions[:, lo:hi], context_layout=layout)
     return Window(inputs, targets[:, lo:hi], shard, length)
 
 
 class _GatherWindows(torch.autograd.Function):
-    """All-gather of each rank's window along `dim`. Backward: a reduce-scatter (sum) where
-    every rank used the gathered tensor differently (K and V), or the rank's own slice where
-    every rank computed the same thing from it (the loss)."""
+    """All-gather of each rank's window along `dim`."""
+
+    # Backward: a reduce-scatter (`sum_grads`: K and V), else the rank's own slice (the loss,
+    # the same on every rank).
 
     @staticmethod
     def forward(ctx, x: Tensor, shard: ContextShard, dim: int, sum_grads: bool) -> Tensor:
@@ -141,57 +117,19 @@ class _GatherWindows(torch.autograd.Function):
         return local.movedim(0, dim), None, None, None
 
 
-def enable_context_attention(model: torch.nn.Module) -> None:
-    """Route the model's attention through `context_attention`; a clear error where the model
-    does not attend through transformers' SDPA interface."""
-    from transformers import AttentionInterface
-
-    if model.config._attn_implementation != "sdpa":
-        raise ValueError(
-            "--fsdp.cp_size > 1 needs a model that attends through transformers' SDPA "
-            f"interface; this one uses {model.config._attn_implementation!r}"
-        )
-    AttentionInterface.register(CONTEXT_ATTENTION, context_attention)
-    model.config._attn_implementation = CONTEXT_ATTENTION
-
-
-def context_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    context_layout: KeyLayout | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """transformers' attention interface: q/k/v [1, H, W, D] of this window in, [1, W, H, D]
-    out, the keys and values gathered from the whole row."""
-    if context_layout is None:
-        raise ValueError(f"{CONTEXT_ATTENTION} attention runs only on a context-parallel window")
-    if sliding_window is not None:
+def context_attention(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface, keys and values gathered from the whole row."""
+    if kwargs.get("sliding_window") is not None:
         raise ValueError("context parallelism has no sliding-window attention")
-    layout = context_layout
+    layout = kwargs["context_layout"]
     key, value = (_GatherWindows.apply(x, layout.shard, 2, True) for x in (key, value))
     key, value = (x[:, :, layout.key_start : layout.key_end] for x in (key, value))
     return local_attention(module, query, key, value, layout, dropout, scaling), None
 
 
-def local_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    layout: KeyLayout,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-) -> Tensor:
-    """Each piece's queries against its document's keys, causal and aligned bottom-right:
-    q [1, H, W, D], k/v [1, Hkv, key_end - key_start, D] -> [1, W, H, D]. On CUDA in 16 bits
-    one varlen FlashAttention call (its causal mask is bottom-right aligned); otherwise SDPA
-    piece by piece with an explicit mask, the reference the GPU path is tested against."""
+def local_attention(module, query, key, value, layout: KeyLayout, dropout=0.0, scaling=None):
+    """Each piece's queries against its document's keys, causal aligned bottom-right."""
+    # Varlen FlashAttention on CUDA in 16 bits, else SDPA piece by piece (the reference).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu, longest = (layout.cu_q, layout.cu_k), (layout.max_q, layout.max_k)
@@ -203,15 +141,9 @@ def local_attention(
         q_len, k_len = qe - qs, ke - ks
         rows = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
         mask = torch.arange(k_len, device=query.device)[None, :] <= rows
+        q, k, v = query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke]
         out, _ = sdpa_attention_forward(
-            module,
-            query[:, :, qs:qe],
-            key[:, :, ks:ke],
-            value[:, :, ks:ke],
-            mask[None, None],
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=False,
+            module, q, k, v, mask[None, None], dropout=dropout, scaling=scaling, is_causal=False
         )
         outputs.append(out)
     return torch.cat(outputs, dim=1)

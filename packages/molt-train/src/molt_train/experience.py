@@ -1,16 +1,8 @@
-"""Experience: from a batch of finished prompt groups to per-token training samples.
+"""A batch of prompt groups as training samples, one per rollout segment (advantages, IS)."""
 
-One sample per rollout segment, exactly the token ids the engine saw and produced. The trainer
-recomputes the proximal ("old") log-probs in batched, packed forwards; the train/rollout
-mismatch is corrected per token against the log-probs the tokens were sampled with; advantages
-come from molt-algos. The actor then only consumes per-token advantages, weights and masks.
-
-When the update is one optimizer step over the batch (`reuses_training_forward`), the old
-log-probs are the training forward's own, detached: that forward runs the very weights a
-separate pass would, before they change. Then there is no separate pass: the samples carry the
-rollout log-probs, the worker derives the IS weights in the loss, and `correction_metrics`
-reports the IS metrics from the log-probs the step hands back.
-"""
+# With one optimizer step over the batch (`reuses_training_forward`) there is no old-policy
+# pass: the samples carry the rollout log-probs, the objective takes pi_old from the training
+# forward, and `correction_metrics` reports the IS metrics from the log-probs the step used.
 
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from molt_algos import (
     AdvantageBatch,
@@ -28,12 +21,13 @@ from molt_algos import (
     kl_estimate,
     shape_rewards,
 )
+from molt_algos.objective import AlgoConfig
 from molt_capture.types import Rollout, Segment
-from molt_rollout.pool import Batch
-from molt_train.config import AlgoConfig, RunConfig
+from molt_rollout.agents.pool import Batch
+from molt_train.config import RunConfig
 from molt_train.metrics import is_truncated
 from molt_train.model_group import ModelGroup
-from molt_train.packing import Sample
+from molt_train.packing import Sample, padded_rows
 from molt_train.routing_replay import routing_array
 
 
@@ -45,15 +39,13 @@ class Experience:
     metrics: dict[str, float]
     # Without a separate old-policy pass: (rollout log-probs, loss mask, tokens sampled by the
     # trained version) [B, T], for `correction_metrics` after the step
-    pending_correction: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    pending_correction: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def reuses_training_forward(cfg: RunConfig) -> bool:
-    """Whether the old-policy log-probs come from the training forward (no separate pass). It
-    takes one optimizer step over the batch (one epoch, one mini-batch): the training forward
-    then runs exactly the weights a separate pass would. And nothing may need them before that
-    forward: a reference (the KL in the reward, `ref/kl`) reads them, and an IS mode that
-    drops tokens changes the step's token count, which normalises every microbatch's loss."""
+    """Whether the old-policy log-probs come from the training forward (one step, no pass)."""
+    # A reference (the KL in the reward, `ref/kl`) reads them, and an IS mode that drops tokens
+    # changes the step's token count, which normalises every microbatch's loss.
     adv = cfg.algo.advantage
     per_token_weight = adv.is_correction_level == "off" or (
         adv.is_correction_level == "token" and adv.is_correction_mode in ("clip", "trunc")
@@ -63,39 +55,12 @@ def reuses_training_forward(cfg: RunConfig) -> bool:
 
 
 def correction_metrics(
-    experience: Experience, old_logprobs: list[list[float]], algo: AlgoConfig
+    experience: Experience, old_logprobs: list[np.ndarray], algo: AlgoConfig
 ) -> dict[str, float]:
-    """The IS metrics of a step trained without a separate old-policy pass, from the old
-    log-probs the step used (ModelGroup.train_step's): the same function over the same
-    tensors as `make_experience` with the pass."""
+    """The IS metrics of a step without an old-policy pass, from the log-probs it used."""
     rollout_logprobs, mask, current = experience.pending_correction
-    old = _padded(old_logprobs, mask.shape[1])
+    old = padded_rows(old_logprobs, mask.shape[1], torch.float32)
     return importance_correction(old, rollout_logprobs, mask, algo.advantage, current).metrics
-
-
-def _padded(rows: list[list[float]], length: int, dtype=torch.float32) -> torch.Tensor:
-    out = torch.zeros(len(rows), length, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
-
-
-def _routing(segment: Segment) -> np.ndarray:
-    if segment.routed_experts is None:
-        raise ValueError(
-            "--train.routing_replay: a rollout segment carries no routed experts (does the "
-            "engine run with --vllm.enable_return_routed_experts, and is the model MoE?)"
-        )
-    return routing_array(segment.routed_experts)
-
-
-def _heads(segment: Segment) -> tuple[list[list[int]], list[list[float]]]:
-    if segment.top_ids is None or segment.top_logprobs is None:
-        raise ValueError(
-            "--algo.score_centering: a rollout segment carries no top-k candidates (does the "
-            "run set --rollout.top_logprobs?)"
-        )
-    return segment.top_ids, segment.top_logprobs
 
 
 def make_experience(
@@ -110,48 +75,85 @@ def make_experience(
     reward: RewardConfig | None = None,
     reuse_training_forward: bool = False,
 ) -> Experience:
-    """Samples with advantages, old log-probs and IS weights for one training batch, trained
-    at weight `version`. `kl_coef`: the current coefficient of KL in the reward.
-    `routing_replay`: the policy's forwards replay each segment's recorded MoE routing.
-    `reward`: length shaping of the rollouts' rewards before advantages (budget resolved).
-    `reuse_training_forward` (`reuses_training_forward`, no reference): no old-policy pass;
-    samples carry the rollout log-probs instead of old log-probs and IS weights."""
+    """Samples with advantages, old log-probs and IS weights, trained at weight `version`."""
+    # kl_coef: the KL controller's current coefficient; reward: the length shaping.
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
-    samples = [
-        Sample(
-            token_ids=s.token_ids,
-            loss_mask=s.trainable,
-            temperature=s.temperature,
-            routed_experts=_routing(s) if routing_replay else None,
-            head_ids=_heads(s)[0] if algo.score_centering else None,
-            head_logprobs=_heads(s)[1] if algo.score_centering else None,
-            images=s.images,
-        )
-        for _, s in segments
-    ]
-    lengths = [len(s.token_ids) for s in samples]
-    width = max(lengths)
-    mask = _padded([s.trainable for _, s in segments], width).bool()
-    rollout_logprobs = _padded([s.logprobs for _, s in segments], width)
+    samples = [_sample(s, algo.score_centering, routing_replay) for _, s in segments]
+    width = max(len(s.token_ids) for s in samples)
 
-    ref = _padded(reference.forward_logprobs(samples), width) if reference else None
-    values = _padded(critic.forward_values(samples), width) if critic else None
+    def rows(values: list, dtype: torch.dtype = torch.float32) -> Tensor:
+        return padded_rows(values, width, dtype)
 
+    mask = rows([s.loss_mask for s in samples], torch.bool)
+    rollout_logprobs = rows([s.logprobs for _, s in segments])
+    ref = rows(reference.forward_logprobs(samples)) if reference else None
+    values = rows(critic.forward_values(samples)) if critic else None
     # `is/vllm_kl` is the engine/trainer mismatch alone: over the tokens sampled by exactly the
     # weights being trained (molt_algos.correction).
-    current = _padded([s.weight_versions for _, s in segments], width) == version
+    current = rows([s.weight_versions for _, s in segments], torch.long) == version
     metrics: dict[str, float] = {}
-    old = correction = None
+    fields: dict[str, Tensor] = {"rollout_logprobs": rollout_logprobs}
+    old = kl = None
     if not reuse_training_forward:
-        old = _padded(policy.forward_logprobs(samples), width)
+        old = rows(policy.forward_logprobs(samples))
         correction = importance_correction(old, rollout_logprobs, mask, algo.advantage, current)
         metrics.update(correction.metrics)
-    kl = None
+        fields = {"loss_mask": correction.mask, "old_logprobs": old, "weights": correction.weights}
     if ref is not None:
         kl = kl_estimate(old, ref, mask, algo.kl.estimator)
         metrics["ref/kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        fields["ref_logprobs"] = ref
 
+    batch_ = _advantage_batch(rollouts, segments, mask, reward, metrics)
+    kl = kl if kl_coef > 0 else None  # KL in the reward
+    advantages = compute_advantages(
+        dataclasses.replace(batch_, kl=kl, values=values, logprobs=old, teacher_logprobs=ref),
+        dataclasses.replace(algo.advantage, kl_coef=kl_coef),  # the controller's coefficient
+    )
+    metrics.update(advantages.metrics)
+    fields["advantages"] = advantages.advantages
+    if values is not None:
+        fields.update(old_values=values, returns=advantages.returns)
+    for name, batch_rows in fields.items():  # each sample's row: a view of the batch's
+        for sample, row in zip(samples, batch_rows.numpy(), strict=True):
+            setattr(sample, name, row[: len(sample.token_ids)])
+    pending = (rollout_logprobs, mask, current) if reuse_training_forward else None
+    return Experience(samples, [r.group_id for r, _ in segments], rollouts, metrics, pending)
+
+
+def _sample(segment: Segment, centering: bool, routing_replay: bool) -> Sample:
+    """A segment's tokens, its routed experts and the sampler's candidates where asked."""
+    if routing_replay and segment.routed_experts is None:
+        raise ValueError(
+            "--train.routing_replay: a rollout segment carries no routed experts (does the "
+            "engine run with --vllm.enable_return_routed_experts, and is the model MoE?)"
+        )
+    if centering and (segment.top_ids is None or segment.top_logprobs is None):
+        raise ValueError(
+            "--algo.score_centering: a rollout segment carries no top-k candidates (does the "
+            "run set --rollout.top_logprobs?)"
+        )
+    return Sample(
+        token_ids=np.asarray(segment.token_ids),
+        loss_mask=np.asarray(segment.trainable, dtype=bool),
+        temperature=segment.temperature,
+        routed_experts=routing_array(segment.routed_experts) if routing_replay else None,
+        head_ids=segment.top_ids if centering else None,
+        head_logprobs=segment.top_logprobs if centering else None,
+        images=segment.images,
+    )
+
+
+def _advantage_batch(
+    rollouts: list[Rollout],
+    segments: list,
+    mask: Tensor,
+    reward: RewardConfig | None,
+    metrics: dict,
+) -> AdvantageBatch:
+    """Each segment's length-shaped reward, group and rollout (shaping metrics: `metrics`)."""
+    # Advantages see every generated token (`mask`): IS filtering is the loss's.
     shaped = shape_rewards(
         torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         torch.tensor([sum(s.num_generated for s in r.segments) for r in rollouts]),
@@ -159,37 +161,8 @@ def make_experience(
         reward or RewardConfig(),
     )
     metrics.update(shaped.metrics)
-    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
-    rollout_index = {r.rollout_id: i for i, r in enumerate(rollouts)}
-    segment_rewards = [shaped.rewards[rollout_index[r.rollout_id]] for r, _ in segments]
-    advantages = compute_advantages(
-        AdvantageBatch(
-            rewards=torch.stack(segment_rewards),
-            action_mask=mask,  # advantages see every generated token; IS filtering is the loss's
-            group_ids=torch.tensor([group_index[r.group_id] for r, _ in segments]),
-            rollout_ids=torch.tensor([rollout_index[r.rollout_id] for r, _ in segments]),
-            kl=kl if kl_coef > 0 else None,
-            values=values,
-            logprobs=old,
-            teacher_logprobs=ref,
-        ),
-        dataclasses.replace(algo.advantage, kl_coef=kl_coef),  # the controller's coefficient
-    )
-    metrics.update(advantages.metrics)
-
-    for i, sample in enumerate(samples):
-        n = lengths[i]
-        sample.advantages = advantages.advantages[i, :n].tolist()
-        if correction is None:
-            sample.rollout_logprobs = rollout_logprobs[i, :n].tolist()
-        else:
-            sample.loss_mask = correction.mask[i, :n].int().tolist()
-            sample.old_logprobs = old[i, :n].tolist()
-            sample.weights = correction.weights[i, :n].tolist()
-        if ref is not None:
-            sample.ref_logprobs = ref[i, :n].tolist()
-        if values is not None:
-            sample.old_values = values[i, :n].tolist()
-            sample.returns = advantages.returns[i, :n].tolist()
-    pending = (rollout_logprobs, mask, current) if correction is None else None
-    return Experience(samples, [r.group_id for r, _ in segments], rollouts, metrics, pending)
+    groups = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
+    index = {r.rollout_id: i for i, r in enumerate(rollouts)}
+    rollout_ids = torch.tensor([index[r.rollout_id] for r, _ in segments])
+    group_ids = torch.tensor([groups[r.group_id] for r, _ in segments])
+    return AdvantageBatch(shaped.rewards[rollout_ids], mask, group_ids, rollout_ids)

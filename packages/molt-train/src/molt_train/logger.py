@@ -1,16 +1,6 @@
-"""One metrics logger feeding every sink: W&B, TensorBoard, a JSONL file and the console.
-
-The driver calls `log(step, metrics)` once per step and `log_samples(step, rows)` with a few
-decoded rollouts; `close()` flushes everything and returns where it went, which
-`format_final_message` turns into the run's last lines. Files land in the run directory:
-
-    run_dir/metrics.jsonl     one JSON object per step (non-finite values as null)
-    run_dir/samples.jsonl     one JSON object per decoded rollout
-    run_dir/tensorboard/      TensorBoard event files
-    run_dir/wandb/            W&B run folder (offline runs upload later with `wandb sync`)
-
-docs/logging.md lists every metric name.
-"""
+"""One metrics logger feeding every sink: metrics.jsonl and samples.jsonl in the run directory
+(non-finite values as null), tensorboard/, wandb/ (an offline run uploads later with `wandb
+sync`) and the console. docs/reference/metrics.md lists every metric."""
 
 from __future__ import annotations
 
@@ -56,24 +46,19 @@ class LoggerConfig:
 
 
 def validate_logger_config(cfg: LoggerConfig) -> None:
-    """Raise ValueError naming the flag of a setting that cannot work."""
-    for flag, on, module in (("--logger.wandb_mode", cfg.wandb_mode != "disabled", "wandb"),
-                             ("--logger.tensorboard", cfg.tensorboard, "tensorboard")):  # fmt: skip
+    for flag, on, module, off in (
+        ("--logger.wandb_mode", cfg.wandb_mode != "disabled", "wandb", "disabled"),
+        ("--logger.tensorboard", cfg.tensorboard, "tensorboard", "False"),
+    ):
         if on and importlib.util.find_spec(module) is None:
-            off = "disabled" if module == "wandb" else "False"
-            raise ValueError(f"{flag} needs the {module} package, which is not installed: "
-                             f"pip install {module}, or {flag} {off}")  # fmt: skip
+            raise ValueError(f"{flag} needs the {module} package: pip install it, or {flag} {off}")
     if cfg.wandb_mode == "online" and not has_wandb_credentials():
         raise ValueError(
-            "--logger.wandb_mode online needs a W&B API key: set WANDB_API_KEY or run "
-            "`wandb login`, or use --logger.wandb_mode offline and upload later with `wandb sync`"
+            "--logger.wandb_mode online needs a W&B API key: set WANDB_API_KEY or run `wandb "
+            "login`, or use --logger.wandb_mode offline and upload later with `wandb sync`"
         )
-    if cfg.console_every < 1:
-        raise ValueError(f"--logger.console_every must be >= 1, got {cfg.console_every}")
-    if cfg.num_sample_rollouts < 0:
-        raise ValueError(
-            f"--logger.num_sample_rollouts must be >= 0, got {cfg.num_sample_rollouts}"
-        )
+    if cfg.console_every < 1 or cfg.num_sample_rollouts < 0:
+        raise ValueError("--logger.console_every must be >= 1, --logger.num_sample_rollouts >= 0")
 
 
 def has_wandb_credentials() -> bool:
@@ -81,75 +66,69 @@ def has_wandb_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
     try:
+        path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
         return netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
 
 class MetricsLogger:
-    """Every enabled sink behind one `log` call. Usable as a context manager."""
+    """Every enabled sink behind one `log` call. `resumed_at`: the step a resumed run continues
+    from; the JSONL files lose the rows of later steps, which it redoes."""
 
-    def __init__(self, cfg: LoggerConfig, run_dir: str, config_dict: dict[str, Any],
-                 resumed_at: int | None = None) -> None:  # fmt: skip
-        """`cfg` passed `validate_logger_config` at start-up. `resumed_at`: the step a resumed
-        run continues from; the JSONL files lose the rows of later steps, which it redoes."""
-        self.cfg = cfg
-        self.run_dir = os.path.abspath(run_dir)
+    def __init__(
+        self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any], resumed_at: int | None = None
+    ):
+        self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.paths: dict[str, str] = {}
-        self._closed = False
-        self._console_lines = 0
-
+        self._closed, self._console_lines = False, 0
         if cfg.jsonl:
             self.paths["metrics"] = os.path.join(self.run_dir, "metrics.jsonl")
             if resumed_at is not None:
                 for name in ("metrics.jsonl", "samples.jsonl"):
                     _drop_steps_after(os.path.join(self.run_dir, name), resumed_at)
-
-        self._tensorboard = None
+        self._tensorboard = self._wandb = None
         if cfg.tensorboard:
-            # Imported here so `--logger.tensorboard false` never loads TensorBoard.
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # only when enabled
 
             self.paths["tensorboard"] = os.path.join(self.run_dir, "tensorboard")
             # flush_secs: a live TensorBoard trails the run by at most this.
             self._tensorboard = SummaryWriter(self.paths["tensorboard"], flush_secs=10)
-            config_lines = json.dumps(config_dict, indent=2, default=str).splitlines()
-            # Every line indented by four spaces: TensorBoard renders text as Markdown, this
-            # as a code block.
-            self._tensorboard.add_text("config", "\n".join("    " + s for s in config_lines), 0)
-
-        self._wandb = None
-        self._wandb_run = None
+            lines = json.dumps(config, indent=2, default=str).splitlines()
+            # Indented four spaces: TensorBoard renders text as Markdown, this as a code block.
+            self._tensorboard.add_text("config", "\n".join("    " + s for s in lines), 0)
         if cfg.wandb_mode != "disabled":
             import wandb  # only when enabled: importing it costs about a second
 
-            self._wandb = wandb
-            self._wandb_run = wandb.init(
+            self._wandb = wandb.init(
                 project=cfg.wandb_project,
                 name=cfg.run_name or os.path.basename(self.run_dir),
                 dir=self.run_dir,  # W&B makes its own `wandb/` folder in here
                 mode=cfg.wandb_mode,
-                config=config_dict,
+                config=config,
                 reinit="create_new",  # our own run object; never touch a caller's global run
             )
             # The run's own folder (…/wandb/offline-run-<time>-<id>), which `wandb sync` takes.
-            self.paths["wandb"] = os.path.dirname(self._wandb_run.dir)
+            self.paths["wandb"] = os.path.dirname(self._wandb.dir)
             if cfg.wandb_mode == "online":
-                self.paths["wandb_url"] = self._wandb_run.url
+                self.paths["wandb_url"] = self._wandb.url
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Send one step's metrics to every enabled sink."""
-        values = {key: _as_float(key, value) for key, value in metrics.items()}
+        values = {}
+        for key, value in metrics.items():
+            try:  # also Python ints and bools, numpy and 0-d torch scalars
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {key!r} is not a number: {value!r}") from None
         if self.cfg.jsonl:
             _append_jsonl(self.paths["metrics"], [{"step": step, "time": time.time(), **values}])
         if self._tensorboard is not None:
             for key, value in values.items():
                 self._tensorboard.add_scalar(key, value, step)
-        if self._wandb_run is not None:
-            self._wandb_run.log(values, step=step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
         if self.cfg.console and (self._console_lines == 0 or step % self.cfg.console_every == 0):
             if self._console_lines == 0:
                 print(console_header(), flush=True)
@@ -157,44 +136,31 @@ class MetricsLogger:
             self._console_lines += 1
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Log decoded rollouts (keys prompt, response, reward, optional score, version_lag)."""
+        """Decoded rollouts (keys prompt, response, reward, optional score, version_lag)."""
         samples = samples[: self.cfg.num_sample_rollouts]
-        if not samples:
-            return
-        if self.cfg.jsonl:
+        if samples and self.cfg.jsonl:
             self.paths["samples"] = os.path.join(self.run_dir, "samples.jsonl")
             _append_jsonl(self.paths["samples"], [{"step": step, **sample} for sample in samples])
-        if self._wandb_run is not None:
+        if samples and self._wandb is not None:
+            import wandb
+
             columns = list(dict.fromkeys(key for sample in samples for key in sample))
             rows = [[sample.get(column) for column in columns] for sample in samples]
-            self._wandb_run.log({"samples": self._wandb.Table(columns, rows)}, step=step)
+            self._wandb.log({"samples": wandb.Table(columns, rows)}, step=step)
 
     def close(self, exit_code: int = 0) -> dict[str, str]:
-        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online).
-
-        W&B's service writes a run's last records after `finish()` returns; they are on disk by
-        process exit (its atexit teardown waits). Tearing it down here would also end runs the
-        caller owns."""
+        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online)."""
         if not self._closed:
             self._closed = True
             if self._tensorboard is not None:
                 self._tensorboard.close()
-            if self._wandb_run is not None:
-                self._wandb_run.finish(exit_code=exit_code)
+            if self._wandb is not None:
+                self._wandb.finish(exit_code=exit_code)
         return dict(self.paths)
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        # A run that died with an exception shows as failed in W&B.
-        self.close(exit_code=0 if exc_type is None else 1)
 
 
 def console_header() -> str:
-    cells = [f"{'step':>{STEP_WIDTH}}"]
-    cells += [f"{header:>{width}}" for header, _, width, _ in CONSOLE_COLUMNS]
-    return " ".join(cells)
+    return " ".join([f"{'step':>{STEP_WIDTH}}"] + [f"{h:>{w}}" for h, _, w, _ in CONSOLE_COLUMNS])
 
 
 def console_line(step: int, metrics: dict[str, float]) -> str:
@@ -202,7 +168,6 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
     cells = [f"{step:>{STEP_WIDTH}}"]
     for _, key, width, fmt in CONSOLE_COLUMNS:
         value = metrics.get(key)
-        # Missing, or NaN (e.g. is/vllm_kl of a batch whose tokens are all stale): "-".
         text = "-" if value is None or math.isnan(value) else format(value, fmt)
         cells.append(f"{text:>{width}}")
     return " ".join(cells)
@@ -210,27 +175,17 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
 
 def format_final_message(paths: dict[str, str], checkpoint_dir: str | None) -> str:
     """Where the run's logs, TensorBoard files, W&B run and checkpoints are."""
-    lines = ["Run outputs:"]
-    if "metrics" in paths:
-        lines.append(f"  metrics (JSONL):  {paths['metrics']}")
-    if "samples" in paths:
-        lines.append(f"  samples (JSONL):  {paths['samples']}")
-    if "tensorboard" in paths:
-        lines.append(f"  TensorBoard:      tensorboard --logdir {paths['tensorboard']}")
-    if "wandb_url" in paths:
-        lines.append(f"  W&B:              {paths['wandb_url']}")
-    elif "wandb" in paths:
-        lines.append(f"  W&B (offline):    {paths['wandb']}")
-        lines.append(f"                    upload with: wandb sync {paths['wandb']}")
-    lines.append(f"  checkpoints:      {checkpoint_dir or 'none saved'}")
-    return "\n".join(lines)
-
-
-def _as_float(key: str, value: Any) -> float:
-    try:
-        return float(value)  # also Python ints and bools, numpy and 0-d torch scalars
-    except (TypeError, ValueError):
-        raise TypeError(f"metric {key!r} is not a number: {value!r}") from None
+    offline = None if "wandb_url" in paths else paths.get("wandb")
+    shown = (
+        ("metrics (JSONL):  ", paths.get("metrics")),
+        ("samples (JSONL):  ", paths.get("samples")),
+        ("TensorBoard:      tensorboard --logdir ", paths.get("tensorboard")),
+        ("W&B:              ", paths.get("wandb_url")),
+        ("W&B (offline):    ", offline),
+        ("                  upload with: wandb sync ", offline),
+        ("checkpoints:      ", checkpoint_dir or "none saved"),
+    )
+    return "\n".join(["Run outputs:"] + [f"  {name}{path}" for name, path in shown if path])
 
 
 def _drop_steps_after(path: str, step: int) -> None:
@@ -245,12 +200,12 @@ def _drop_steps_after(path: str, step: int) -> None:
 
 
 def _append_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    """Append and close at once: every step is on disk for `tail -f` and survives a crash."""
+    """Append and close at once (on disk for `tail -f`, through a crash); NaN and Infinity,
+    which JSON lacks, as null."""
     with open(path, "a", encoding="utf-8") as f:
         for row in rows:
-            # JSON has no NaN or Infinity: null keeps every line parseable by any reader.
             clean = {
-                key: None if isinstance(value, float) and not math.isfinite(value) else value
-                for key, value in row.items()
+                k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in row.items()
             }
             f.write(json.dumps(clean) + "\n")

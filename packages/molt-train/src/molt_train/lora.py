@@ -1,16 +1,6 @@
-"""LoRA on the policy (Hu et al., 2021, arXiv:2106.09685) with NeMo AutoModel's own adapters.
+"""LoRA on the policy with AutoModel's adapters: W x + s B A x, s = alpha / rank, W frozen."""
 
-A targeted linear layer with frozen weight W computes W x + s B A x, s = alpha / rank, A
-[rank, in] (AutoModel's init: Xavier-normal) and B [out, rank] (zeros, so training starts from
-the base policy); only A and B train. AutoModel's `LinearLoRA` keeps W under its own name and adds
-`<layer>.lora_A.weight` / `<layer>.lora_B.weight`, so sharding, checkpoints and the optimizer see
-ordinary parameters. The adapters go on before FSDP2 shards the model: through the factory's
-`peft_config` on GPU, `add_adapters` on CPU.
-
-Out of the trainer, the engines get the merged weight W + s B A under W's name (`merge_adapters`):
-the policy they serve is exactly the one trained, and vLLM needs no LoRA support. The adapter
-alone leaves as a PEFT checkpoint (`write_adapter`).
-"""
+# docs/concepts/trainer.md, "LoRA". Served merged (`merge_adapters`) or as a PEFT adapter.
 
 from __future__ import annotations
 
@@ -19,28 +9,19 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # actor_config validates with this module's matcher: no cycle at run time
-    from molt_train.actor_config import LoRAConfig
+from molt_train.actor_config import LoRAConfig
 
 ADAPTER_KEYS = (".lora_A.weight", ".lora_B.weight")
 
 
-def adapts_lm_head(target_modules: list[str]) -> bool:
-    """Whether a pattern of --actor.lora.target_modules selects the LM head (AutoModel's
-    matcher: the pattern equals the module's name or matches it with wildcards)."""
-    from nemo_automodel.components._peft.module_matcher import wildcard_match
-
-    return any(p == "lm_head" or wildcard_match(p, "lm_head") for p in target_modules)
-
-
 def peft_config(lora: LoRAConfig):
-    """AutoModel's PeftConfig for --actor.lora.*: no dropout (the served, merged policy has
-    none, and the log-probs the loss compares must be those of one fixed policy), no DoRA."""
+    """AutoModel's PeftConfig for --actor.lora.*, without dropout or DoRA."""
+    # No dropout: the served, merged policy has none, and the log-probs the loss compares must
+    # be those of one fixed policy.
     from nemo_automodel.components._peft.lora import PeftConfig
 
     return PeftConfig(
@@ -56,9 +37,7 @@ def add_adapters(model: torch.nn.Module, lora: LoRAConfig) -> None:
 
 
 def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
-    """{adapted layer's module name: s} of a built model. Refuses a model where the targets
-    matched nothing, or matched modules whose merged weight `merge_adapters` cannot form
-    (AutoModel's grouped MoE experts)."""
+    """{adapted layer: s}; refuses targets matching nothing or no plain linear layer."""
     from nemo_automodel.components._peft.lora import LinearLoRA
 
     scales, other = {}, []
@@ -80,10 +59,9 @@ def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
 def merge_adapters(
     named: Iterable[tuple[str, Tensor]], scales: dict[str, float]
 ) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) in state-dict order with every adapted layer's W, A and B replaced by one
-    W + s B A under W's name, summed in fp32 and returned in W's dtype (AutoModel may store a
-    frozen W in the compute dtype on GPU). A layer's W comes before its adapters in the state
-    dict, so it waits here until both have passed: one layer's weight at a time."""
+    """(name, tensor) with each adapted layer's W, A and B as W + s B A under W's name."""
+    # Summed in fp32, returned in W's dtype (a frozen W may be in the compute dtype).
+    # W comes before its adapters in the state dict: it waits, one layer's weight at a time.
     waiting: dict[str, dict[str, Tensor]] = {}
     for name, tensor in named:
         layer = adapted_layer(name, scales)
@@ -112,9 +90,7 @@ def adapted_layer(name: str, scales: dict[str, float]) -> str | None:
 def write_adapter(
     path: str, named: Iterable[tuple[str, Tensor]], lora: LoRAConfig, base_model: str
 ) -> None:
-    """The adapters as a Hugging Face PEFT checkpoint (adapter_model.safetensors and
-    adapter_config.json: `PeftModel.from_pretrained(base, path)` and vLLM's LoRA loader read
-    it); `named` holds the adapter tensors under the base model's layer names."""
+    """The adapter tensors `named` as a PEFT checkpoint (PEFT and vLLM's LoRA loader read it)."""
     from safetensors.torch import save_file
 
     final = Path(path)
@@ -125,8 +101,7 @@ def write_adapter(
     tensors = {f"base_model.model.{name}": t for name, t in named_.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     # The adapted layers by full name: PEFT adapts exactly these (its names match as suffixes).
-    targets = sorted({name.removesuffix(k) for name in named_ for k in ADAPTER_KEYS
-                      if name.endswith(k)})  # fmt: skip
+    targets = sorted({name.rsplit(".lora_", 1)[0] for name in named_})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -1,14 +1,10 @@
-"""Per-step statistics of a batch of rollouts, and a few of them decoded for reading.
-
-`rollout_metrics` gives the `rollout/*` metrics (docs/logging.md); `sample_rows` gives the rows
-`MetricsLogger.log_samples` writes. Standard deviations are population ones (ddof 0), so a
-group of one has std 0, as it has no advantage signal under any group estimator.
-"""
+"""Per-step statistics of a batch of rollouts (`rollout/*`, docs/reference/metrics.md), and a
+few of them decoded. Population standard deviations: a group of one has std 0."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import zip_longest
+from itertools import compress, zip_longest
 from statistics import fmean, pstdev
 from typing import Any
 
@@ -45,16 +41,10 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 def sample_rows(
     rollouts: list[Rollout], tokenizer, k: int, current_version: int | None = None
 ) -> list[dict[str, Any]]:
-    """Up to `k` rollouts decoded for `MetricsLogger.log_samples`, one per group first.
-
-    Each row decodes the first segment: `prompt` is the context before the first generated
-    token, `response` everything after it (later turns' observations included, so a multi-turn
-    episode reads as a transcript). Special tokens stay visible: the template is what the model
-    saw. `version_lag` (when `current_version` is given) is the lag of the oldest weight
-    version that sampled any of the rollout's tokens.
-    """
+    """Up to `k` rollouts decoded (prompt, then the rest as a transcript), one per group first."""
+    ranks = zip_longest(*_by_group(rollouts))  # each group's first rollout, then its second, ...
     rows = []
-    for r in _spread_over_groups(rollouts)[:k]:
+    for r in [r for rank in ranks for r in rank if r is not None][:k]:
         seg = r.segments[0]
         start = _prompt_length(seg)
         row = {
@@ -64,7 +54,8 @@ def sample_rows(
         }
         if r.score is not None:
             row["score"] = r.score
-        oldest = _oldest_version(r)
+        versions = (v for s in r.segments for v in compress(s.weight_versions, s.trainable))
+        oldest = min(versions, default=None)
         if current_version is not None and oldest is not None:
             row["version_lag"] = current_version - oldest
         rows.append(row)
@@ -78,28 +69,9 @@ def _by_group(rollouts: list[Rollout]) -> list[list[Rollout]]:
     return list(groups.values())
 
 
-def _spread_over_groups(rollouts: list[Rollout]) -> list[Rollout]:
-    """The first rollout of every group, then the second of every group, and so on."""
-    ranks = zip_longest(*_by_group(rollouts))
-    return [r for rank in ranks for r in rank if r is not None]
-
-
 def _prompt_length(seg: Segment) -> int:
     """Tokens before the first generated one (the whole segment if nothing was generated)."""
     return seg.turns[0].start if seg.turns else len(seg)
-
-
-def _oldest_version(r: Rollout) -> int | None:
-    """The oldest weight version among the rollout's generated tokens (None if none)."""
-    return min(
-        (
-            version
-            for seg in r.segments
-            for version, generated in zip(seg.weight_versions, seg.trainable, strict=True)
-            if generated
-        ),
-        default=None,
-    )
 
 
 def is_truncated(r: Rollout) -> bool:

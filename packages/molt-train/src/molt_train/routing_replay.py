@@ -1,20 +1,10 @@
-"""MoE routing replay (`--train.routing_replay`): the trainer routes each token to the experts
-the engine routed it to when the token was sampled.
+"""MoE routing replay (`--train.routing_replay`): routers take the engine's recorded experts."""
 
-The engine and the trainer compute a router's top-k independently, and small numerical
-differences flip some choices; a flipped token goes through other experts in the trainer than
-when it was sampled, so its recomputed log-probability no longer describes the policy that
-sampled it. Replay takes each MoE layer's top-k *selection* from the rollout's recorded routing
-(`Segment.routed_experts`); the routing *weights* are still the trainer router's own
-probabilities at those experts, so the router keeps its gradient.
+# The weights stay the router's own probabilities at those experts.
 
-Routing arrives per packed microbatch as one [layers, tokens, top_k] tensor (layers indexed
-like the model's decoder layers, as vLLM reports them; tokens in the microbatch's flattened
-order). Two router families take it: AutoModel's native MoE gates (GPU) replay through their
-own `RouterReplay` handle (the model is built with `enable_routing_replay`), and the softmax
-top-k routers of transformers' MoE classes (CPU) through a forward hook that swaps the
-selection and re-gathers the weights.
-"""
+# A flipped choice would leave the recomputed log-prob describing another policy; the weights
+# keep the router's gradient. AutoModel's native gates (GPU) replay through their
+# `RouterReplay` handle, transformers' softmax top-k routers (CPU) through a forward hook.
 
 from __future__ import annotations
 
@@ -26,9 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# transformers routers whose forward is softmax -> top-k -> optional renormalisation and that
-# return (logits, top-k weights, top-k indices); the hook below reproduces exactly that
-# (tests/test_routing.py checks that replaying a router's own choice changes nothing).
+# transformers routers whose forward is softmax -> top-k -> optional renormalisation, returning
+# (logits, top-k weights, top-k indices): what the hook reproduces (tests/test_routing.py).
 HF_SOFTMAX_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -47,7 +36,7 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 
 
 def _replay_hook(router: torch.nn.Module, inputs, output):
-    target = getattr(router, "_molt_replay", None)
+    target = router._molt_replay
     if target is None:
         return output
     logits, weights, indices = output
@@ -72,8 +61,7 @@ def install_replay_hooks(routers: list[tuple[int, torch.nn.Module]]) -> None:
 
 @contextlib.contextmanager
 def replaying(routers: list[tuple[int, torch.nn.Module]], routing: Tensor | None) -> Iterator[None]:
-    """Every router takes its layer's recorded choices for the forward passes (and the
-    activation-checkpointing recomputations in backward) inside the block."""
+    """Every router takes its layer's recorded choices inside the block (recomputations too)."""
     if routing is None:
         yield
         return
@@ -101,8 +89,7 @@ def replaying(routers: list[tuple[int, torch.nn.Module]], routing: Tensor | None
 
 
 def routing_array(rows: list) -> np.ndarray:
-    """A segment's routed experts as a [tokens, layers, top_k] int16 array, -1 where the engine
-    has no row (its last sampled token, which it never ran)."""
+    """A segment's routed experts as [tokens, layers, top_k] int16, -1 where none was run."""
     known = next((row for row in rows if row is not None), None)
     if known is None:
         raise ValueError("routing replay: the segment has no routed experts")
@@ -114,10 +101,9 @@ def routing_array(rows: list) -> np.ndarray:
 
 
 def microbatch_routing(arrays: list[np.ndarray], width: int | None) -> Tensor:
-    """Per-sample routing arrays -> the [layers, tokens, top_k] tensor of their microbatch:
-    concatenated (packed), or each padded to `width` tokens (padded rows). Positions without a
-    row, and padding, route to experts 0..k-1: their outputs reach no trained log-prob (causal
-    attention, and a sequence's last position predicts nothing that is trained)."""
+    """Per-sample routing arrays -> the microbatch's [layers, tokens, top_k] tensor."""
+    # Concatenated, or each padded to `width` (padded rows); rows without routing go to
+    # experts 0..k-1: their outputs reach no trained log-prob.
     if width is not None:
         arrays = [
             np.pad(a, ((0, width - len(a)), (0, 0), (0, 0)), constant_values=-1) for a in arrays

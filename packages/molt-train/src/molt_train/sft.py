@@ -1,23 +1,19 @@
-"""`molt-train sft`: supervised fine-tuning on chat data, on the same policy actor as RL.
-
-RL recipes start from SFT checkpoints, so SFT shares the actor, packing, the global token-mean
-loss, checkpoints and logging. Only assistant turns are trained: their token spans are found by
-rendering the conversation with the model's own chat template, prefix by prefix.
-"""
+"""`molt-train sft`: supervised fine-tuning on chat data, sharing RL's policy actor, packing,
+token-mean loss, checkpoints and logging. Only assistant turns are trained: their spans are found
+by rendering the conversation with the model's chat template, prefix by prefix."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 
-from molt_rollout.data import load_rows
-from molt_rollout.tiny_model import build_tiny_model
+from molt_algos import AlgoConfig
+from molt_rollout.agents.data import load_rows
+from molt_rollout.config import at_least
 from molt_train.actor_config import (
     ActorConfig,
     FSDPConfig,
@@ -26,7 +22,7 @@ from molt_train.actor_config import (
     validate_actor_devices,
 )
 from molt_train.checkpoint import CheckpointManager
-from molt_train.config import AlgoConfig
+from molt_train.config import StartupError
 from molt_train.logger import (
     LoggerConfig,
     MetricsLogger,
@@ -36,6 +32,7 @@ from molt_train.logger import (
 from molt_train.model_group import ModelGroup
 from molt_train.packing import Sample
 from molt_train.quickstart import data_path
+from molt_train.run import prepare_run_dir
 
 
 @dataclass
@@ -75,31 +72,32 @@ class SFTConfig:
 SFT_LOSS = AlgoConfig(aggregation="token-mean")
 
 
-def validate_sft_config(cfg: SFTConfig) -> None:
-    if not cfg.data.train_files:
-        raise ValueError("--data.train_files: give at least one chat dataset")
-    if cfg.train.epochs < 1 or cfg.train.batch_size < 1:
-        raise ValueError("--train.epochs and --train.batch_size must be >= 1")
-    if cfg.data.max_len < 2:
-        raise ValueError("--data.max_len must be >= 2")
-    validate_actor_config(cfg.actor, cfg.fsdp)
-    validate_logger_config(cfg.logger)
+def validate_sft_config(cfg: SFTConfig, gpus: int | None = None) -> None:
+    """StartupError naming the flag of a setting that cannot work; `gpus` once Ray knows them."""
+    try:
+        if not cfg.data.train_files:
+            raise ValueError("--data.train_files: give at least one chat dataset")
+        at_least("train", cfg.train, ("epochs", "batch_size"), 1)
+        at_least("data", cfg.data, ("max_len",), 2)
+        validate_actor_config(cfg.actor, cfg.fsdp)
+        validate_logger_config(cfg.logger)
+        if gpus is not None:
+            validate_actor_devices(cfg.actor, cfg.fsdp, gpus)
+    except ValueError as error:
+        raise StartupError(str(error)) from None
 
 
-def assistant_sample(tokenizer, messages: list[dict], tools: list[dict] | None,
-                     max_len: int) -> Sample:  # fmt: skip
-    """Token ids of the whole conversation and a mask of its assistant turns.
+def assistant_sample(
+    tokenizer, messages: list[dict], tools: list[dict] | None, max_len: int
+) -> Sample:
+    """Token ids and a mask of the assistant turns: turn i spans from the end of `messages[:i]`
+    with the generation prompt to the end of `messages[:i+1]` (a template must not rewrite it)."""
 
-    Each assistant turn i spans from the end of `messages[:i]` rendered with the generation
-    prompt (what the model sees before it answers) to the end of `messages[:i+1]`. This needs
-    a template whose renders of a conversation's prefixes are prefixes of its full render; one
-    that rewrites history (e.g. drops earlier reasoning) is refused, naming the turn."""
-
-    def render(part: list[dict], generation_prompt: bool) -> list[int]:
-        return list(tokenizer.apply_chat_template(
-            part, tools=tools, tokenize=True, add_generation_prompt=generation_prompt,
-            return_dict=False,
-        ))  # fmt: skip
+    def render(part: list[dict], prompt: bool) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            part, tools=tools, tokenize=True, add_generation_prompt=prompt, return_dict=False
+        )
+        return list(ids)
 
     ids = render(messages, False)
     mask = [0] * len(ids)
@@ -117,51 +115,41 @@ def assistant_sample(tokenizer, messages: list[dict], tools: list[dict] | None,
 
 
 def train_sft(cfg: SFTConfig) -> dict[str, float]:
-    """Epochs over the conversations in batches; returns the last step's metrics."""
     from transformers import AutoTokenizer
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.train.ray_address or "local",  # None: a private instance
-                 include_dashboard=False, log_to_driver=False)  # fmt: skip
+    validate_sft_config(cfg)
+    if not ray.is_initialized():  # no --train.ray_address: a private instance
+        ray.init(
+            address=cfg.train.ray_address or "local", include_dashboard=False, log_to_driver=False
+        )
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    validate_actor_devices(cfg.actor, cfg.fsdp, gpus)
-    on_gpu = gpus > 0
-    model = cfg.actor.model_path or str(build_tiny_model())
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_path=model))
+    validate_sft_config(cfg, gpus)
+    cfg, run_dir = prepare_run_dir(cfg, "sft")
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
-    rows = [
-        row for f in cfg.data.train_files for row in load_rows(f, prompt_key=cfg.data.messages_key)
-    ]
-    samples = [assistant_sample(tokenizer, r["prompt"], r.get("tools"), cfg.data.max_len)
-               for r in rows]  # fmt: skip
+    data = cfg.data
+    rows = [row for f in data.train_files for row in load_rows(f, prompt_key=data.messages_key)]
+    samples = [assistant_sample(tokenizer, r["prompt"], r.get("tools"), data.max_len) for r in rows]
     samples = [s for s in samples if any(s.loss_mask)]
-
-    run_dir = Path(cfg.train.output_dir) / (
-        cfg.logger.run_name or time.strftime("sft-%Y%m%d-%H%M%S")
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    actor = ModelGroup(cfg.actor, cfg.fsdp, "policy", on_gpu)
+    policy = ModelGroup(cfg.actor, cfg.fsdp, "policy", gpus > 0)
     logger = MetricsLogger(cfg.logger, str(run_dir), dataclasses.asdict(cfg))
-    rng = random.Random(cfg.data.seed)
-    step, metrics = 0, {}
+    rng, step, metrics = random.Random(data.seed), 0, {}
     try:
         for _ in range(cfg.train.epochs):
             order = list(range(len(samples)))
-            if cfg.data.shuffle:
+            if data.shuffle:
                 rng.shuffle(order)
             for first in range(0, len(order), cfg.train.batch_size):
                 batch = [samples[i] for i in order[first : first + cfg.train.batch_size]]
                 t0 = time.perf_counter()
-                metrics = actor.train_step(batch, SFT_LOSS, sft=True)
+                metrics = policy.train_step(batch, SFT_LOSS, sft=True)
                 metrics["timing/step_total"] = time.perf_counter() - t0
                 step += 1
                 logger.log(step, metrics)
         checkpoints = CheckpointManager(str(run_dir / "checkpoints"), keep_last=1)
-        checkpoints.save(step, {"policy": actor}, {"step": step})
-        actor.export_hf(str(run_dir / "hf_policy"))
+        checkpoints.save(step, {"policy": policy}, {"step": step})
+        policy.export_hf(str(run_dir / "hf_policy"))
     finally:
         paths = logger.close()
-        actor.shutdown()
+        policy.shutdown()
     print(format_final_message(paths, str(run_dir / "checkpoints")))
     return metrics

@@ -1,12 +1,6 @@
-"""SIGTERM and SIGINT in the driver: stop at the next safe point, in a bounded time.
-
-While the loop waits for a batch (or evaluates) a signal stops it at once: nothing of the step
-has reached the weights yet. Inside a step's critical part (experience, optimizer steps, refit,
-logging, checkpoint) the signal is held until the step ends, so weights, pool state and logs
-stay consistent with each other; a second signal stops at once anyway. The loop then writes
-its final checkpoint (`--ckpt.save_on_exit`), shuts everything down and the CLI exits with
-128 + the signal number, without a traceback.
-"""
+"""SIGTERM and SIGINT in the driver: waiting for a batch, a signal stops the loop at once;
+inside a step's critical part it is held until the step ends, so weights, pool state and logs
+stay consistent (a second signal stops at once)."""
 
 from __future__ import annotations
 
@@ -24,13 +18,11 @@ class Stopped(BaseException):  # noqa: N818 (not an error: a requested stop)
 
 
 class GracefulStop:
-    """Install with `with GracefulStop() as stop:`; wrap a step's critical part in
-    `with stop.critical():`."""
+    """`with GracefulStop() as stop:` installs it; `with stop.critical():` holds signals."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._failure: BaseException | None = None
-        self._failure_raised = False
         self._holding = False
         self._previous: dict[int, object] = {}
 
@@ -42,18 +34,16 @@ class GracefulStop:
         return self
 
     def fail(self, error: BaseException) -> None:
-        """From another thread (the engine watchdog): a critical part in progress cannot finish
-        (a refit waiting on a dead engine), so `error` is raised in the main thread now; one
-        about to start raises it as it starts. Outside them the caller ends the wait itself
-        (the pool), and `error` is raised once only."""
+        """From the engine watch: `error` is raised in the main thread now if a critical part is
+        in progress (a refit waiting on a dead engine cannot finish), else as the next starts."""
         self._failure = error
         if self._holding:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
 
     def _raise_failure(self) -> None:
-        if self._failure is not None and not self._failure_raised:
-            self._failure_raised = True
-            raise self._failure
+        failure, self._failure = self._failure, None  # raised once only
+        if failure is not None:
+            raise failure
 
     def _on_failure(self, signum: int, frame) -> None:
         if self._holding:  # else the step ended meanwhile: the pool raises it instead
@@ -68,8 +58,8 @@ class GracefulStop:
         self.signum = signum
         if not self._holding or again:
             raise Stopped(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping after this step "
-              "(send it again to stop now)", flush=True)  # fmt: skip
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step (send it again to stop now)", flush=True)
 
     @contextlib.contextmanager
     def critical(self):

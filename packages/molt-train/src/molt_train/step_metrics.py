@@ -1,6 +1,6 @@
-"""One optimizer step's metrics, reduced over its microbatches and the world's ranks (every
-rank calls these at once: each is a collective). molt_train.model_worker's train_step uses
-them."""
+"""One optimizer step's metrics, summed over microbatches, then ranks in one collective."""
+
+# Device scalars until the step ends: a read per microbatch would make the host wait mid-step.
 
 from __future__ import annotations
 
@@ -10,30 +10,27 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce_step_metrics(
-    totals: dict[str, torch.Tensor | float],
-    weighted: dict[str, torch.Tensor | float],
-    num_tokens: int,
-    replicas: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """`totals` summed over ranks; `weighted` (sums of value x tokens) summed, then divided by
-    the window's `num_tokens`: token-weighted means; `replicas` ranks (TP x CP) hold each
-    data-parallel share's values. Every rank must pass the same keys. The
-    values may be device scalars: they are read here, in one go."""
-    keys = sorted(totals), sorted(weighted)
-    entries = [totals[k] for k in keys[0]] + [weighted[k] for k in keys[1]]
-    values = (
-        torch.stack([torch.as_tensor(v, device=device).detach().to(torch.float64) for v in entries])
-        if entries
-        else torch.zeros(0, dtype=torch.float64, device=device)
-    )
-    dist.all_reduce(values)
-    values = (values / replicas).tolist()  # the ranks holding one copy of the data
-    out = dict(zip(keys[0], values[: len(keys[0])], strict=True))
-    for key, value in zip(keys[1], values[len(keys[0]) :], strict=True):
-        out[key] = value / max(num_tokens, 1)
-    return out
+class StepMetrics:
+    def __init__(self) -> None:
+        self.totals: dict = {}  # summed over microbatches and ranks
+        self.weighted: dict = {}  # sums of value x tokens: token-weighted means
+
+    def add(self, totals: dict, per_token: dict, tokens: torch.Tensor) -> None:
+        for key, value in totals.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+        for key, value in per_token.items():
+            self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
+
+    def reduce(self, num_tokens: int, replicas: int, device: torch.device) -> dict[str, float]:
+        """Summed over ranks (same keys on each), the weighted ones over `num_tokens`."""
+        # `replicas` (TP x CP) ranks hold each data-parallel share's values.
+        totals, weighted = sorted(self.totals), sorted(self.weighted)
+        entries = [self.totals[k] for k in totals] + [self.weighted[k] for k in weighted]
+        values = torch.stack([torch.as_tensor(v, device=device).detach().double() for v in entries])
+        dist.all_reduce(values)
+        values = (values / replicas).tolist()
+        means = [v / max(num_tokens, 1) for v in values[len(totals) :]]
+        return dict(zip(totals + weighted, values[: len(totals)] + means, strict=True))
 
 
 def peak_memory_gb(on_gpu: bool, device: torch.device) -> float:

@@ -4,7 +4,7 @@ Each prompt is the same text beside one image: a red or a blue disc on white, it
 and shade drawn at random. The label is the colour; the reply earns 1 when its first letter is
 of the alphabet half that colour names ("red": a-m, "blue": n-z; `reward.py`'s rule). The text
 never differs, so a policy blind to the image earns at most 0.5: reward above that means the
-model reads the pixels. The tiny VLM (molt_rollout.tiny_vlm) learns it on CPU like the text
+model reads the pixels. The tiny VLM (molt_rollout.engines.tiny_vlm) learns it on CPU like the text
 quickstart (tests_integration/test_vlm.py); `colours_env` and `colours_chat` are its two forms.
 
 Rows are written as the HF datasets image convention stores them: the user turn holds an
@@ -53,14 +53,15 @@ def make_rows(count: int, seed: int) -> list[dict]:
     rng.shuffle(colours)
     return [
         {
-            "prompt": [{"role": "user", "content": [{"type": "image"},
-                                                    {"type": "text", "text": QUESTION}]}],
+            "prompt": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+            ],
             "images": [base64.b64encode(draw(colour, rng)).decode()],
             "label": colour,
             "data_source": "colours",
         }
         for colour in colours
-    ]  # fmt: skip
+    ]
 
 
 def write_data(directory: str | Path, train_rows: int = 256, eval_rows: int = 32) -> Path:

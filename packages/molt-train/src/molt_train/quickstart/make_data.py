@@ -48,8 +48,10 @@ def make_conversations(count: int, seed: int) -> list[dict]:
         for _ in range(1 + i % 2):
             label = rng.choice(list(HALVES))
             answer = rng.choice(HALVES[label] + HALVES[label].upper())
-            messages += [{"role": "user", "content": HALVES[label]},
-                         {"role": "assistant", "content": answer}]  # fmt: skip
+            messages += [
+                {"role": "user", "content": HALVES[label]},
+                {"role": "assistant", "content": answer},
+            ]
         rows.append({"messages": messages, "data_source": "halves"})
     return rows
 

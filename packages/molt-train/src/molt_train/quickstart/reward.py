@@ -1,12 +1,5 @@
-"""The quickstart task's reward, shared by its Env and ChatAgent forms.
-
-The prompt shows one half of the alphabet ("abcdefghijklm" or "nopqrstuvwxyz"), the row's label
-names it ("a-m" or "n-z"), and the reply earns 1 when its first non-whitespace character is a
-letter of that half, in either case, else 0. Only the first character counts: the reply is one
-token (`max_tokens` 1 in the quickstart) from a byte-level BPE vocabulary, where a letter may
-come as " b", "Ke" or "sist", and each of those is an answer of its letter's half. A longer
-reply is judged the same way ("x marks it" is n-z).
-"""
+"""The quickstart task's reward, shared by its Env and ChatAgent forms. Only the reply's first
+character counts: a byte-level BPE token such as " b", "Ke" or "sist" answers for its half."""
 
 import string
 
@@ -14,8 +7,7 @@ HALVES = {"a-m": string.ascii_lowercase[:13], "n-z": string.ascii_lowercase[13:]
 
 
 def alphabet_half(text: str) -> str | None:
-    """ "a-m" or "n-z" for the first non-whitespace character of `text` when it is an ASCII
-    letter (either case), else None."""
+    """ "a-m" or "n-z" for the first non-whitespace character when an ASCII letter, else None."""
     first = text.lstrip()[:1]
     # ASCII before lowering: the Kelvin sign (U+212A) lowers to "k". "" is in every string.
     if not first or first not in string.ascii_letters:
