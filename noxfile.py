@@ -131,14 +131,19 @@ def tests(session: nox.Session, package: str) -> None:
     )
 
 
-@nox.session(tags=["ci"])
-def all(session: nox.Session) -> None:
-    """Every implemented package in one environment, and the tests that need them together:
-    tests_integration/ (each package's own tests ran in its `tests` session)."""
+def install_all(session: nox.Session) -> None:
+    """Every implemented package with its test extras, in one environment."""
     install(session, TORCH)
     for package in PACKAGES:
         if implemented(package):
             install_package(session, package, TEST_EXTRAS.get(package, "test"))
+
+
+@nox.session(tags=["ci"])
+def all(session: nox.Session) -> None:
+    """Every implemented package in one environment, and the tests that need them together:
+    tests_integration/ (each package's own tests ran in its `tests` session)."""
+    install_all(session)
     session.run(
         "pytest",
         "tests_integration",
@@ -146,6 +151,16 @@ def all(session: nox.Session) -> None:
         *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],
     )
+
+
+@nox.session
+def pass_rate(session: nox.Session) -> None:
+    """Chosen tests run N times, half with every core busy, and their pass rates and the
+    ranges of their recorded quantities (.ci/pass_rate.py):
+    `nox -s pass_rate -- TEST [TEST ...] --runs 20`."""
+    install_all(session)
+    session.env["RAY_AUTH_MODE"] = "disabled"  # the tests' private local Ray
+    session.run("python", ".ci/pass_rate.py", *session.posargs)
 
 
 @nox.session(tags=["ci"])
