@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import pickle
 
@@ -36,7 +37,7 @@ def test_rollout_round_trips_through_json_and_pickle():
     assert Rollout.from_dict(json.loads(json.dumps(r.to_dict()))) == r
     assert pickle.loads(pickle.dumps(r)) == r
     g = Generation([1], [-0.5], "length", [3])
-    assert Generation.from_dict(json.loads(json.dumps(g.to_dict()))) == g
+    assert Generation(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
 
 
 def test_misaligned_generation_is_refused():

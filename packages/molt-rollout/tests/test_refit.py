@@ -82,7 +82,7 @@ def test_the_nccl_rendezvous_listens_on_the_port_it_names(monkeypatch):
 
     monkeypatch.setattr(pynccl, "PyNcclCommunicator", lambda group, device: group)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    transport = NcclTransport(world_size=2, timeout_s=30, bucket_bytes=1 << 20, address="127.0.0.1")
+    transport = NcclTransport(2, RefitConfig(bucket_mb=1, timeout_s=30), address="127.0.0.1")
     info = transport.worker_init_info(rank_offset=1)
     with pytest.raises(OSError):  # taken: nobody else can bind it before the rendezvous
         socket.create_server(("127.0.0.1", info["master_port"]))
@@ -109,7 +109,7 @@ def test_a_failed_rendezvous_on_the_trainers_side_is_an_error():
     refitter = Refitter.__new__(Refitter)  # its routes and transport only: no engines dialled
     EngineSet.__init__(refitter, [Engine([], []), Engine([], [])], RefitConfig(timeout_s=30))
     refitter.workers_per_engine = 1
-    refitter.transport = GlooTransport(3, 1.0, "127.0.0.1")
+    refitter.transport = GlooTransport(3, RefitConfig(timeout_s=1.0), "127.0.0.1")
     with pytest.raises(RefitError, match="trainer's side of the weight-transfer rendezvous"):
         refitter.init_transfer()
     refitter.close()

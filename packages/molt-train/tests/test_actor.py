@@ -306,7 +306,7 @@ def test_critic_learns_returns(ray_cluster, tiny_model, hf_model):
         samples = make_samples(hf_model.config.vocab_size)
         for sample in samples:
             sample.returns = [0.5 * m for m in sample.loss_mask]
-        values = critic.forward_values(samples)
+        values = critic.forward_logprobs(samples)
         assert [len(v) for v in values] == [len(s.token_ids) for s in samples]
         assert all(
             v == 0.0

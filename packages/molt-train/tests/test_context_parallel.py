@@ -23,20 +23,23 @@ def test_windows_cut_documents_and_see_their_keys():
     own), rank 0 holds 0..4, rank 1 holds 5..9; rank 1's queries see keys from 5 (its first
     document starts there) and rank 0's first document ends inside its window."""
     batch = pack([Sample(list(range(1, 6)), [0] * 5), Sample(list(range(6, 10)), [0] * 4)])
-    first, second = window(batch, shard(0)), window(batch, shard(1))
-    assert first.inputs["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
-    assert second.inputs["input_ids"].tolist() == [[6, 7, 8, 9, 0]]
-    assert second.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0]]  # the padding restarts
-    assert first.targets.tolist() == [[2, 3, 4, 5, 6]]
-    assert second.targets.tolist() == [[7, 8, 9, 0, 0]]
-    assert first.inputs["context_layout"].pieces == [(0, 5, 0, 5)]
-    layout = second.inputs["context_layout"]
+    (first, first_targets), (second, second_targets) = (
+        window(batch, shard(0)),
+        window(batch, shard(1)),
+    )
+    assert first["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
+    assert second["input_ids"].tolist() == [[6, 7, 8, 9, 0]]
+    assert second["position_ids"].tolist() == [[0, 1, 2, 3, 0]]  # the padding restarts
+    assert first_targets.tolist() == [[2, 3, 4, 5, 6]]
+    assert second_targets.tolist() == [[7, 8, 9, 0, 0]]
+    assert first["context_layout"].pieces == [(0, 5, 0, 5)]
+    layout = second["context_layout"]
     assert (layout.key_start, layout.key_end) == (5, 10)
     assert layout.pieces == [(0, 4, 0, 4), (4, 5, 4, 5)]
 
     # Three ranks: 9 tokens, no padding; rank 1 (3..5) cuts both documents, and its first
     # document's queries 3, 4 see keys 0..4 (bottom-right: query 3 sees keys 0..3).
-    layout = window(batch, shard(1, 3)).inputs["context_layout"]
+    layout = window(batch, shard(1, 3))[0]["context_layout"]
     assert (layout.key_start, layout.key_end) == (0, 6)
     assert layout.pieces == [(0, 2, 0, 5), (2, 3, 5, 6)]
     assert layout.cu_q.tolist() == [0, 2, 3] and layout.cu_k.tolist() == [0, 5, 6]
@@ -57,7 +60,7 @@ def row_attention(lengths: list[int], size: int, heads=(4, 2), dim=8, device="cp
         q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), attn_mask=mask
     ).transpose(1, 2)
     batch = pack([Sample([1] * n, [0] * n) for n in lengths], device)
-    layouts = [window(batch, shard(r, size)).inputs["context_layout"] for r in range(size)]
+    layouts = [window(batch, shard(r, size))[0]["context_layout"] for r in range(size)]
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = repeat, True
     return (q, k, v), want, layouts, module
@@ -181,7 +184,7 @@ def test_a_context_parallel_critic_values_whole_rows(ray_cluster, tiny_model):
         cfg = config(tiny_model, workers, max_tokens_per_microbatch=48)
         group = ModelGroup(cfg, fsdp, role="critic", on_gpu=False)
         try:
-            values.append(group.forward_values(samples))
+            values.append(group.forward_logprobs(samples))
         finally:
             group.shutdown()
     assert any(v != 0.0 for row in values[0] for v in row)

@@ -6,6 +6,7 @@ import pytest
 from molt_algos import AlgoConfig, RewardConfig
 from molt_capture.types import Generation, Rollout, Segment
 from molt_rollout.agents.pool import Batch, GroupResult
+from molt_train.config import RunConfig
 from molt_train.experience import make_experience
 
 
@@ -48,7 +49,7 @@ def test_length_shaping_reaches_the_advantages():
     shaping = RewardConfig(
         overlong_buffer_len=2, max_response_len=4, stop_properly_penalty_coef=0.5
     )
-    exp = make_experience(batch_of(rollouts), 0, policy, algo, 0.0, reward=shaping)
+    exp = make_experience(batch_of(rollouts), 0, RunConfig(algo=algo, reward=shaping), 0.0, policy)
     # Shaped: 1.0; 1.0 * 0.5 (truncated) - 1.0 (at the budget); 0.0 (2 <= 4 - 2 tokens).
     shaped = [1.0, -0.5, 0.0]
     baseline = sum(shaped) / 3
@@ -67,7 +68,7 @@ def test_no_shaping_by_default():
     policy = SampledLogprobs([s for r in rollouts for s in r.segments])
     algo = AlgoConfig()
     algo.advantage.estimator = "flash_reinforce"
-    exp = make_experience(batch_of(rollouts), 0, policy, algo, 0.0)
+    exp = make_experience(batch_of(rollouts), 0, RunConfig(algo=algo), 0.0, policy)
     assert not any(key.startswith("reward/") for key in exp.metrics)
     assert max(exp.samples[0].advantages) == pytest.approx(0.5)
 
@@ -77,9 +78,11 @@ def test_score_centering_carries_the_sampler_heads():
     policy = SampledLogprobs([s for r in rollouts for s in r.segments])
     algo = AlgoConfig(score_centering=True)
     algo.advantage.estimator = "flash_reinforce"
-    exp = make_experience(batch_of(rollouts), 0, policy, algo, 0.0)
+    exp = make_experience(batch_of(rollouts), 0, RunConfig(algo=algo), 0.0, policy)
     assert exp.samples[0].head_ids == [[], [], [], [7, 3], [7, 3]]
     assert exp.samples[1].head_logprobs == [[], [], [], [-0.5, -1.5]]
     plain = [rollout(0, 1.0, 2, "stop")]
     with pytest.raises(ValueError, match="top_logprobs"):
-        make_experience(batch_of(plain), 0, SampledLogprobs(plain[0].segments), algo, 0.0)
+        make_experience(
+            batch_of(plain), 0, RunConfig(algo=algo), 0.0, SampledLogprobs(plain[0].segments)
+        )

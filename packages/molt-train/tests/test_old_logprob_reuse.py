@@ -81,8 +81,8 @@ def test_skipping_the_old_logprob_pass_changes_nothing(worker, padded):
     batch = batch_of(rollouts(worker.model.config.vocab_size))
     policy = LocalPolicy(worker)
 
-    with_pass = make_experience(batch, 0, policy, cfg.algo, 0.0)
-    without = make_experience(batch, 0, policy, cfg.algo, 0.0, reuse_training_forward=True)
+    with_pass = make_experience(batch, 0, cfg, 0.0, policy)
+    without = make_experience(batch, 0, cfg, 0.0, policy, reuse_training_forward=True)
     assert all(s.old_logprobs is None and s.weights is None for s in without.samples)
     assert with_pass.metrics["is/ratio_max"] > 2  # the truncation bites
     loss_a, stats_a, grads_a, _ = loss_and_grads(worker, with_pass.samples, cfg.algo)

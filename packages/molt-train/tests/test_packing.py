@@ -7,7 +7,6 @@ import torch
 
 from molt_train.packing import (
     Sample,
-    empty_batch,
     pack,
     pack_by_budget,
     plan_microbatches,
@@ -128,7 +127,7 @@ def test_pack_rejects_mixed_fields_and_temperatures():
 
 
 def test_empty_batch_trains_nothing():
-    batch = empty_batch()
+    batch = pack([])
     assert batch.input_ids.shape == (1, 2) and not batch.inputs.mask.any()
 
 
@@ -257,7 +256,7 @@ def test_candidate_logprobs_match_the_full_softmax(tiny_model, padded):
     batch = pack(samples, padded=padded)
     sampler_heads = batch.inputs.sampler_head_logprobs
     assert batch.head_ids.shape == (3, 9, 3) and torch.isinf(sampler_heads[0, 0]).all()
-    stats = packed_token_stats(model, batch, 4, False, head_ids=batch.head_ids)
+    stats = packed_token_stats(model, batch, 4, False)
     present = torch.isfinite(sampler_heads) & batch.inputs.mask[..., None]
     got = torch.where(present, stats.head_logprobs, torch.zeros_like(stats.head_logprobs))
     grads = torch.autograd.grad(got.sum(), list(model.parameters()), allow_unused=True)

@@ -7,7 +7,7 @@ import torch
 from molt_algos import AggregationWindow, AlgoConfig
 from molt_train.actor_config import ActorConfig, FSDPConfig
 from molt_train.model_worker import ModelWorker
-from molt_train.packing import Sample, empty_batch, pack
+from molt_train.packing import Sample, pack
 from molt_train.token_stats import TokenStats
 
 
@@ -35,6 +35,6 @@ def test_a_padding_microbatch_reports_the_centering_keys():
     def keys(batch) -> set[str]:
         return set(worker._objective(batch, algo, AggregationWindow(), False, None).per_token)
 
-    real, padding = keys(pack([sample])), keys(empty_batch())
+    real, padding = keys(pack([sample])), keys(pack([]))
     assert "loss/centering_head_mass" in real
     assert real == padding

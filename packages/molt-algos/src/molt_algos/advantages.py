@@ -1,10 +1,5 @@
-"""Advantage estimators, by name in `ADVANTAGE_ESTIMATORS` with what each `Needs` of the run.
-
-A row is one segment (token-exact context) of a rollout; its segments share its `rollout_id`,
-in row order, and its reward. Group estimators count each rollout once and broadcast its
-advantage; token-level ones (reinforce*, gae) run over a rollout's action tokens across its
-segments, other tokens (prompt, tool output) transparent to returns and values.
-"""
+"""Advantage estimators by name (`ADVANTAGE_ESTIMATORS`). A row is one segment of a rollout: group
+estimators count each rollout once; token-level ones run over its action tokens across segments."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,8 +63,6 @@ class Advantages:
 
 @dataclass(frozen=True)
 class Needs:
-    """What an estimator needs of the run besides rewards."""
-
     critic: bool = False  # a value model, trained beside the policy
     reference: bool = False  # the reference model on every batch (distillation's teacher)
     groups: bool = False  # complete prompt groups of >= 2 samples: a baseline from the others
@@ -92,10 +85,8 @@ def validate_advantage_config(cfg: AdvantageConfig) -> None:
     needs = estimator_needs(cfg.estimator)
     if cfg.kl_coef != 0.0 and not needs.kl_reward:
         kl_reward = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs.kl_reward)
-        raise ValueError(
-            f"kl_coef={cfg.kl_coef} puts KL into the reward, which {cfg.estimator} cannot: use "
-            f"KL as a loss term, or one of {kl_reward}"
-        )
+        why = f"puts KL into the reward, which {cfg.estimator} cannot: use a KL loss or {kl_reward}"
+        raise ValueError(f"kl_coef={cfg.kl_coef} {why}")
     if not 0.0 <= cfg.gamma <= 1.0 or not 0.0 <= cfg.lam <= 1.0:
         raise ValueError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
     if cfg.eps <= 0.0:
@@ -127,9 +118,8 @@ class _Rollouts:
         return cls(of_row, rewards, torch.unique(group_of, return_inverse=True)[1])
 
     def group_mean_std(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Per rollout, in float64: its group's mean reward, unbiased std (0 for a singleton)
-        and size. A group of equal rewards gets its reward as the mean exactly (a float mean
-        could round off it, and eps would magnify that into an advantage)."""
+        """Per rollout, float64: its group's mean reward, unbiased std and size. Equal rewards get
+        their reward as the mean exactly (a float mean could round off it, eps magnify that)."""
         rewards, groups = self.rewards.double(), self.groups
         num_groups = int(groups.max()) + 1 if groups.numel() else 0
         zeros = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device)
@@ -160,9 +150,8 @@ class _ActionLayout:
         order = torch.sort(rollout_of_token, stable=True).indices
         starts = torch.cumsum(lengths, 0) - lengths
         position = torch.empty_like(order)
-        position[order] = (
-            torch.arange(order.numel(), device=order.device) - starts[rollout_of_token[order]]
-        )
+        rank = torch.arange(order.numel(), device=order.device)
+        position[order] = rank - starts[rollout_of_token[order]]
         return cls(action_mask, rollout_of_token, position, lengths)
 
     def pack(self, tokens: Tensor) -> Tensor:
@@ -248,22 +237,18 @@ def flash_reinforce(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
 # --- token-level estimators: returns over a rollout's action tokens ---------------------------
 
 
-def reinforce(batch: AdvantageBatch, cfg: AdvantageConfig, baseline: bool = False) -> Advantages:
-    """REINFORCE++: r_t = -kl_coef * kl_t, plus R (`baseline`: R - mean_g R) on the last action
-    token; G_t = r_t + gamma * G_{t+1}; A = G, whitened over the batch (`whiten`)."""
+def reinforce(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
+    """REINFORCE++: r_t = -kl_coef * kl_t, plus R (reinforce_baseline: R - mean_g R) on the last
+    action token; G_t = r_t + gamma * G_{t+1}; A = G, whitened over the batch (`whiten`)."""
     rollouts = _Rollouts.from_batch(batch)
     scalar = rollouts.rewards
-    if baseline:
+    if cfg.estimator == "reinforce_baseline":
         scalar = (scalar.double() - rollouts.group_mean_std()[0]).float()
     layout = _ActionLayout.build(batch.action_mask, rollouts)
     returns = layout.discounted(layout.token_rewards(batch, cfg, scalar), cfg.gamma)
     mask = batch.action_mask
     advantages = whiten(returns, mask, cfg.eps) if cfg.whiten else returns
     return _result(advantages, mask, returns, return_mean=masked_mean(returns, mask))
-
-
-def reinforce_baseline(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
-    return reinforce(batch, cfg, baseline=True)
 
 
 def gae(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
@@ -297,7 +282,7 @@ def on_policy_distill(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages
 
 ADVANTAGE_ESTIMATORS = {
     "reinforce": Estimator(reinforce, Needs(kl_reward=True)),
-    "reinforce_baseline": Estimator(reinforce_baseline, Needs(groups=True, kl_reward=True)),
+    "reinforce_baseline": Estimator(reinforce, Needs(groups=True, kl_reward=True)),
     "rloo": Estimator(rloo, Needs(groups=True)),
     "grpo": Estimator(grpo, Needs(groups=True)),
     "dr_grpo": Estimator(dr_grpo, Needs(groups=True)),

@@ -1,7 +1,5 @@
-"""Per-token losses [B, T] to the scalar that is backpropagated. Every mode divides by counts
-over the whole optimizer step (all microbatches and data-parallel ranks), its
-`AggregationWindow`: each microbatch's loss is its share of one global mean, whatever the split.
-FSDP *averages* gradients over ranks; `dp_size` multiplies that back."""
+"""Per-token losses to the backpropagated scalar, divided by counts over the whole optimizer step
+(`AggregationWindow`), so any split gives one global mean; `dp_size` undoes FSDP's averaging."""
 
 from dataclasses import dataclass
 from typing import Literal

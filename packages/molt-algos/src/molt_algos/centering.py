@@ -1,11 +1,5 @@
-"""Score centering: the policy gradient's score made zero-mean under the sampler's own head.
-
-A token's loss reaches the parameters as c_t d log pi(y_t), a score of mean zero under pi; but
-y_t was drawn from the sampler mu. Centering subtracts the sampler's expected score over its
-top-K head (mu~: mu renormalised there), sum_j mu~(j) d log pi(j), as the loss term
-sg(c_t) * sum_j sg(mu~(j)) log pi(j) minus its own value: composes with IS weights and any
-aggregation. docs/concepts/algorithms.md.
-"""
+"""Score centering: y_t was drawn from the sampler mu, so the score c_t d log pi(y_t) is made
+zero-mean under mu's renormalised top-K head (docs/concepts/algorithms.md)."""
 
 import torch
 from torch import Tensor
@@ -23,10 +17,8 @@ def score_centering(
     sampler_head_logprobs: Tensor,
     mask: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`per_token` [B, T]: the policy loss, a function of `logprobs` [B, T]; `head_logprobs`
-    [B, T, K]: the policy's log-probs of the sampler's top-K (differentiable); the sampler's own
-    `sampler_head_logprobs` are -inf where a position has fewer. Returns the centred loss and
-    `loss/centering_head_mass` (the head's sampler mass) and `loss/centering_coef_mean` (|c_t|)."""
+    """`head_logprobs` [B, T, K]: the policy's log-probs of the sampler's top-K (differentiable);
+    `sampler_head_logprobs`, the sampler's own, are -inf where a position has fewer."""
     if head_logprobs.shape != sampler_head_logprobs.shape or head_logprobs.shape[:2] != mask.shape:
         shapes = [list(x.shape) for x in (head_logprobs, sampler_head_logprobs, mask)]
         raise ValueError(f"head log-probs {shapes[0]}, {shapes[1]}: both [B, T, K], mask [B, T]")

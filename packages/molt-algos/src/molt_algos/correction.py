@@ -1,10 +1,5 @@
-"""Train/rollout importance sampling, rho_t = pi_old(y_t) / pi_rollout(y_t): the engine
-samples with its own kernels and possibly older weights. `is_correction_level` compares rho_t
-(token), the row's product (seq) or geometric mean (geo) with the band [1/threshold, threshold]
-(off: weights 1); outside it `is_correction_mode` drops (mask), clips or truncates (token
-only). seq and geo are rejection gates: kept rows' tokens carry rho_t; a seq gate may compare
-the row's mean binary KL or TV of the sampled tokens instead (`is_correction_gating`).
-Formulas: docs/concepts/algorithms.md."""
+"""Train/rollout importance sampling, rho_t = pi_old(y_t) / pi_rollout(y_t): the engine samples
+with its own kernels and maybe older weights. Levels, modes, gates: docs/concepts/algorithms.md."""
 
 import math
 from dataclasses import dataclass
@@ -44,9 +39,7 @@ def validate_is_correction(cfg: AdvantageConfig) -> None:
     if level in ("seq", "geo") and mode != "mask":
         raise ValueError(f"IS correction level={level!r} is a rejection gate: mode 'mask' only")
     if gating != "ratio" and level != "seq":
-        raise ValueError(
-            f"IS correction gating={gating!r} gates whole sequences: needs level 'seq'"
-        )
+        raise ValueError(f"IS correction gating={gating!r} gates whole sequences: level 'seq'")
     if gating == "ratio" and not threshold > 1.0:
         raise ValueError(f"IS correction threshold={threshold} must be > 1 (band [1/t, t])")
     if gating == "binary_kl" and not threshold > 0.0:
@@ -101,8 +94,7 @@ def _weights(
     level, mode = cfg.is_correction_level, cfg.is_correction_mode
     log_rho = safe_log_ratio(old_logprobs, rollout_logprobs, mask).detach()
     rho = log_rho.exp()
-    high = cfg.is_correction_threshold
-    low = 1.0 / high
+    high, low = cfg.is_correction_threshold, 1.0 / cfg.is_correction_threshold
     keep, weights, row_mean = mask, rho, None
     if level == "off":
         weights = torch.ones_like(rho)
@@ -128,9 +120,8 @@ def _weights(
 def sampled_token_divergence(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, kind: str
 ) -> Tensor:
-    """Per token, pi_rollout against pi_old seen through the sampled token alone, q =
-    pi_rollout(y_t), p = pi_old(y_t): `binary_kl` q log(q/p) + (1-q) log((1-q)/(1-p)), `tv`
-    |p - q|. 0 outside `mask`; -inf, NaN and positive log-probs sanitised first (detached)."""
+    """Per token, q = pi_rollout(y_t) against p = pi_old(y_t): `binary_kl` q log(q/p) + (1-q)
+    log((1-q)/(1-p)), `tv` |p - q|; 0 outside `mask`, log-probs sanitised first (detached)."""
     log_p, log_q = _clean_logprobs(old_logprobs, mask), _clean_logprobs(rollout_logprobs, mask)
     p, q = log_p.exp(), log_q.exp()
     if kind == "tv":

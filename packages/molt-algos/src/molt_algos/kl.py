@@ -1,7 +1,5 @@
-"""KL(pi || pi_ref) estimators per token, y ~ pi, r = log pi(y) - log pi_ref(y) (Schulman,
-"Approximating KL divergence"): k1 = r (unbiased, high variance), k2 = r^2 / 2 (biased, low
-variance), k3 = exp(-r) - 1 + r (unbiased, low variance, >= 0), all clamped (a -inf reference
-log-prob gives no inf or NaN); and the controller of the reward's KL coefficient."""
+"""Per-token KL(pi || pi_ref) estimators k1, k2, k3 (Schulman, "Approximating KL divergence"),
+clamped so a -inf reference log-prob gives no inf or NaN; and the reward's KL coefficient."""
 
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -32,11 +30,9 @@ KL_ESTIMATORS = {
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3"):
-    """Per-token KL estimate [B, T]; 0 outside `mask`."""
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}"
-        )
+        choices = sorted(KL_ESTIMATORS)
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {choices}")
     kl = KL_ESTIMATORS[estimator](safe_log_ratio(logprobs, ref_logprobs, mask))
     return torch.where(mask, kl.clamp(-KL_LIMIT, KL_LIMIT), torch.zeros_like(kl))
 

@@ -1,6 +1,5 @@
-"""Per-token log-probs and entropy of the temperature-scaled distribution vLLM samples from,
-without full-vocabulary float32 tensors: the forward walks tokens in blocks and keeps per-token
-values, the backward recomputes the logits. Derivation: docs/concepts/algorithms.md."""
+"""Per-token log-probs and entropy of vLLM's temperature-scaled distribution without full-vocabulary
+float32 tensors: blocks forward, logits recomputed backward (docs/concepts/algorithms.md)."""
 
 import functools
 import math
@@ -25,14 +24,11 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log pi(y_t) and entropy H_t of softmax(W h_t / temperature) per token, from the final
-    hidden states [..., H] and the LM head W [V, H]: float32 (float64 for float64 input) of
-    shape [...]; the entropy None without `compute_entropy`."""
+    """Log pi(y_t) and entropy H_t of softmax(W h_t / temperature) per token from the final hidden
+    states [..., H] and the LM head W [V, H]: float32 (float64 for float64 input), shape [...]."""
     if lm_head_weight.dim() != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
-        raise ValueError(
-            f"hidden [..., {hidden.shape[-1]}] does not match lm_head_weight "
-            f"{list(lm_head_weight.shape)} (expected [V, H])"
-        )
+        weight = list(lm_head_weight.shape)
+        raise ValueError(f"hidden [..., {hidden.shape[-1]}] does not match [V, H] weight {weight}")
     if hidden.dtype != lm_head_weight.dtype:
         raise ValueError(f"dtype mismatch: hidden {hidden.dtype}, weight {lm_head_weight.dtype}")
     inputs = (hidden, lm_head_weight)

@@ -1,6 +1,5 @@
-"""Policy losses, `(logprobs, old_logprobs, advantages, mask, cfg) -> PolicyLoss` by name in
-`POLICY_LOSSES`, and the value loss: per-token losses [B, T], 0 outside `mask`, reduced by
-molt_algos.aggregation; IS weights (molt_algos.correction) multiply them before that."""
+"""Policy losses by name in `POLICY_LOSSES`, and the value loss: per-token [B, T], 0 outside
+`mask`, weighted by IS corrections and then reduced by molt_algos.aggregation."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -28,9 +27,8 @@ def validate_loss_config(name: str, cfg: LossConfig) -> None:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
     if cfg.clip_low < 0 or cfg.clip_high < 0 or cfg.clip_low >= 1:
-        raise ValueError(
-            f"clip_low={cfg.clip_low}, clip_high={cfg.clip_high}: need 0 <= low < 1, high >= 0"
-        )
+        clips = f"clip_low={cfg.clip_low}, clip_high={cfg.clip_high}"
+        raise ValueError(f"{clips}: need 0 <= low < 1, high >= 0")
     if cfg.dual_clip is not None and (name != "ppo" or cfg.dual_clip <= 1.0):
         raise ValueError(f"dual_clip={cfg.dual_clip} applies to ppo only and must be > 1")
 

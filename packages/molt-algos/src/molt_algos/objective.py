@@ -1,7 +1,5 @@
-"""One microbatch's whole objective, so that the trainer stays blind to algorithms: it runs the
-forward and calls `policy_objective` or `value_objective` with the per-token `TokenInputs`.
-Each term is aggregated in `algo.aggregation_of(term)` over the step's `AggregationWindow`;
-results are device scalars: nothing here makes the host wait for the GPU."""
+"""One microbatch's whole objective, so the trainer stays blind to algorithms; results are device
+scalars: nothing here makes the host wait for the GPU."""
 
 from dataclasses import dataclass, field
 
@@ -132,7 +130,6 @@ def value_objective(
     window: AggregationWindow,
     dp_size: int,
 ) -> Objective:
-    """The critic's clipped value loss toward `inputs.returns`."""
     old = values.detach() if inputs.old_values is None else inputs.old_values
     result = value_loss(values, old, _or_zeros(inputs.returns, values), inputs.mask, value_clip)
     mode = algo.aggregation_of("value")

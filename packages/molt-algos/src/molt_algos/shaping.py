@@ -1,7 +1,5 @@
-"""Length shaping: rollout rewards rewritten by response length before advantages, per rollout,
-in this order (docs/concepts/algorithms.md). Stop-properly (ProRL): a truncated rollout gets
-coef * R (coef in [0, 1]) or the reward coef (coef < 0). Overlong (DAPO): with budget L and
-buffer C, add factor * clip((L - C - |y|) / C, -1, 0), a ramp over the last C tokens."""
+"""Length shaping of rollout rewards before advantages: ProRL's stop-properly penalty, then DAPO's
+overlong ramp (docs/concepts/algorithms.md)."""
 
 from dataclasses import dataclass
 
@@ -30,10 +28,8 @@ class ShapedRewards:
 def validate_reward_config(cfg: RewardConfig) -> None:
     buffer, budget = cfg.overlong_buffer_len, cfg.max_response_len
     if buffer < 0 or cfg.overlong_penalty_factor < 0:
-        raise ValueError(
-            f"overlong_buffer_len={buffer} and overlong_penalty_factor="
-            f"{cfg.overlong_penalty_factor} must be >= 0"
-        )
+        factor = cfg.overlong_penalty_factor
+        raise ValueError(f"overlong_buffer_len={buffer}, overlong_penalty_factor={factor}: >= 0")
     if buffer > 0 and (budget is None or buffer > budget):
         raise ValueError(f"overlong_buffer_len={buffer} must lie in (0, max_response_len={budget}]")
     coef = cfg.stop_properly_penalty_coef

@@ -1,7 +1,5 @@
 """Anthropic Messages: a request into a `ChatRequest`; the reply, whole or as SSE events.
-
-`tool_result` blocks become `tool` messages (before any text of the same user turn), `thinking`
-becomes `reasoning_content`, `tool_use` a tool call."""
+`tool_result` blocks become `tool` messages, before any text of the same user turn."""
 
 from __future__ import annotations
 
@@ -96,7 +94,7 @@ class MessagesRequest(wire.WireRequest, CountTokensRequest):
 def parse_request(raw: bytes, images: bool) -> tuple[MessagesRequest, ChatRequest]:
     req = wire.parse(MessagesRequest, raw)
     if req.output_format is not None:
-        raise wire.refuse_structured_output("output_format")
+        raise wire.refuse("output_format", wire.STRUCTURED_OUTPUT_REFUSED)
     choice = req.tool_choice.type if req.tool_choice else None
     messages, names = to_template(req, images), {"stop": "stop_sequences"}
     return req, req.chat(messages, _tools(req), choice, req.max_tokens, req.stop_sequences, names)

@@ -6,8 +6,7 @@ import sys
 
 
 def lazy_exports(package: str, exports: dict[str, list[str]]):
-    """`__getattr__`, `__dir__` and `__all__` for `package`, which re-exports `exports`
-    (submodule -> names); call it from the package's `__init__` with `__name__`."""
+    """`__getattr__`, `__dir__`, `__all__` for `package`, re-exporting `exports` (module: names)."""
     module_of = {name: module for module, names in exports.items() for name in names}
     namespace = vars(sys.modules[package])  # the package itself, still being initialised
 

@@ -1,6 +1,5 @@
 """Images in a trace: their sources, the model's processor applied once (Idefics3 without image
-splitting; others are refused), and the record of one processed image that travels with the ids
-to the engine (its tensors and hash, which keys vLLM's prefix cache) and to the trainer."""
+splitting), and each processed image's record, which travels with the ids to engine and trainer."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ def tensor_hash(tensors: dict[str, np.ndarray]) -> str:
 
 
 def load_image(source: Any, where: str = "image"):
-    """A PIL image from a PIL image, bytes, an HF `datasets.Image` dict, a `data:image/...;base64,`
-    URL, a `file://` URL or local path, or bare base64; never a remote URL (rollouts must not
-    depend on the network). Raises MediaError naming `where`."""
+    """A PIL image from a PIL image, bytes, an HF `datasets.Image` dict, a data URL, a local file or
+    bare base64; never a remote URL (rollouts must not depend on the network)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -158,8 +156,7 @@ def load_image_encoder(model_path: str, max_images: int = MAX_IMAGES) -> ImageEn
 
 
 class ImageEncoder:
-    """Rendered chat text (one image token per image) and its images -> the ids with every
-    placeholder expanded and one ImageInput per image, ids and pixels from one processor call."""
+    """Rendered text and its images -> ids and pixels, from one processor call."""
 
     def __init__(self, processor, model_type: str, max_images: int = MAX_IMAGES):
         if model_type not in SUPPORTED_MODELS:
@@ -182,8 +179,6 @@ class ImageEncoder:
             raise MediaError(f"{where}: {why} in the rendered prompt")
         if len(images) > self.max_images:
             raise MediaError(f"{where}: {len(images)} images, at most {self.max_images} per prompt")
-        if not images:
-            return ImagePrompt(self.processor.tokenizer.encode(text, add_special_tokens=False))
         pil = [load_image(img, f"{where}[{i}]").convert("RGB") for i, img in enumerate(images)]
         out = self.processor(
             text=[text], images=[pil], return_tensors="np", add_special_tokens=False

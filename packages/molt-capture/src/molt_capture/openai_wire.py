@@ -79,7 +79,7 @@ def parse_request(raw: bytes, images: bool) -> tuple[CompletionRequest, ChatRequ
     if req.n not in (None, 1):
         raise CaptureError(400, "n > 1 is not supported: the framework owns the group size", "n")
     if req.response_format and req.response_format.get("type") != "text":
-        raise wire.refuse_structured_output("response_format")
+        raise wire.refuse("response_format", wire.STRUCTURED_OUTPUT_REFUSED)
     tools = [
         t.function.template(f"tools.{i}.function.parameters") for i, t in enumerate(req.tools or [])
     ]
@@ -100,14 +100,12 @@ def _to_template(raw: Any, at: str, images: bool) -> dict[str, Any]:
             calls.append(tool_call_message(c.function.name, args, c.id))
         return assistant_message(content, m.reasoning_content or m.reasoning, calls)
     if m.content is None:
-        raise CaptureError(400, f"{at}.content is required for a {m.role} message", f"{at}.content")
+        raise wire.refuse(f"{at}.content", f"required for a {m.role} message")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise wire.refuse(f"{at}.tool_call_id", "required for a tool message")
     role = "system" if m.role == "developer" else m.role
-    if m.role != "tool":
-        return {"role": role, "content": content}
-    if m.tool_call_id is None:
-        where = f"{at}.tool_call_id"
-        raise CaptureError(400, f"{where} is required for a tool message", where)
-    return {"role": role, "content": content, "tool_call_id": m.tool_call_id}
+    answers = {"tool_call_id": m.tool_call_id} if m.role == "tool" else {}
+    return {"role": role, "content": content, **answers}
 
 
 def reply(req: CompletionRequest, chat: ChatRequest, result: TurnResult, model: str) -> dict:
@@ -130,8 +128,7 @@ def reply(req: CompletionRequest, chat: ChatRequest, result: TurnResult, model: 
 
 
 def stream(req: CompletionRequest, body: dict[str, Any]) -> Iterator[str]:
-    """The chunks the SDK's stream helpers expect: role, reasoning, content, tool calls, finish
-    reason, optional usage, [DONE]."""
+    """The chunks the SDK's stream helpers expect, in their order."""
     head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     (choice,) = body["choices"]
     msg = choice["message"]

@@ -1,8 +1,5 @@
-"""Chat template rendering and reply parsing: the only code that turns messages into text and
-generated text back into a message. Messages are in the Hugging Face chat-template form (the
-wires convert to it); replies are parsed with transformers' declarative response parser, one
-response template per *parser family* (the markup one model family writes).
-"""
+"""The only code that turns messages (HF chat-template form) into text, and generated text back
+into a message: transformers' response parser, one template per parser family."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from .media import ImageEncoder, ImagePrompt, MediaError, message_images
 
 
 def _qwen(**tool_calls: Any) -> dict[str, Any]:
-    """A Qwen-style response template (transformers' `response_template` format), given how its
-    family writes tool calls. The reasoning region is named as the chat templates name it."""
+    """A Qwen-style response template (transformers' format), given how its family writes calls."""
     # Leading whitespace before an end marker must not open an empty content region.
     end = r"\s*(?:<\|im_end\|>|<\|endoftext\|>)"
     return {
@@ -66,8 +62,6 @@ class ToolCall:
 
 @dataclass
 class Reply:
-    """What the model said, as the wires return it."""
-
     content: str
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -121,8 +115,6 @@ def _tool_call(raw: Any) -> ToolCall | None:
 
 
 class ChatRenderer:
-    """Renders conversations with the tokenizer's chat template and parses generated text."""
-
     def __init__(self, tokenizer, parser: str = "qwen3", chat_template_kwargs: dict | None = None):
         template = RESPONSE_TEMPLATES.get(parser)
         if parser == "tokenizer":
@@ -152,10 +144,8 @@ class ChatRenderer:
     def render_delta(
         self, reply: dict[str, Any], messages: list[dict], tools: list[dict] | None
     ) -> tuple[str, str] | None:
-        """The template's text for `messages` after the assistant message `reply`, generation
-        prompt included, and the render it ends (as the real prompt ends). Rendered after a
-        stand-in history, so earlier turns never enter it; None when the template renders the
-        reply's end differently once messages follow it."""
+        """The template's text for `messages` after `reply`, and the render it ends, rendered after
+        a stand-in history; None when the reply's end renders differently once messages follow."""
         probe = {**reply, "content": _SENTINEL}
         base = [{"role": "user", "content": "x"}, probe]
         try:
@@ -178,7 +168,6 @@ class ChatRenderer:
         return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_messages(self, text: str, messages: list[dict], where: str) -> ImagePrompt:
-        """`text`, the render of `messages` -> ids, their images through the processor."""
         if self.images is None:
             return ImagePrompt(self.encode(text))
         try:
@@ -189,13 +178,13 @@ class ChatRenderer:
         except MediaError as e:
             raise CaptureError(400, str(e), where) from e
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
     def _closing_ids(self) -> list[int]:
         """The template's tokens after an assistant message's content (Qwen: `<|im_end|>\\n`)."""
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
         return self.encode(self.render(probe, None, False).partition(_SENTINEL)[2])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def missing_closing(self, generated: list[int]) -> list[int]:
         """The closing tokens the engine stopped before: if it emitted `<|im_end|>` itself,

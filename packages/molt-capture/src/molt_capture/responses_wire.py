@@ -1,9 +1,5 @@
 """OpenAI Responses: input items into a `ChatRequest`; the response, whole or as SSE events.
-
-Consecutive `reasoning`, assistant `message` and `function_call` items are one assistant turn;
-`function_call_output` is a `tool` message; `instructions` the system message, which a
-`previous_response_id` (an earlier response of the session: its conversation first) leaves out.
-"""
+Consecutive `reasoning`, assistant `message` and `function_call` items are one assistant turn."""
 
 from __future__ import annotations
 
@@ -102,12 +98,12 @@ def parse_request(
         if getattr(req, name):
             raise CaptureError(400, f"{name} is not supported by this server", name)
     if ((req.text and req.text.format) or {"type": "text"}).get("type") != "text":
-        raise wire.refuse_structured_output("text.format")
+        raise wire.refuse("text.format", wire.STRUCTURED_OUTPUT_REFUSED)
     tools = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools or [])]
     history = responses.get(req.previous_response_id or "", [])
     if req.previous_response_id is not None and req.previous_response_id not in responses:
         why = f"{req.previous_response_id!r} is not a response of this session"
-        raise CaptureError(400, f"previous_response_id {why}", "previous_response_id")
+        raise wire.refuse("previous_response_id", why)
     new, where = _to_template(req.input, images)
     if not new:
         raise CaptureError(400, "input must hold at least one item", "input")
@@ -226,8 +222,7 @@ def reply(req: ResponsesRequest, chat: ChatRequest, result: TurnResult, model: s
 
 
 def stream(req: ResponsesRequest, body: dict[str, Any]) -> Iterator[str]:
-    """The events the SDK's stream accumulator expects: created, in_progress, per item added /
-    deltas / done, then completed (or incomplete)."""
+    """The events the SDK's stream accumulator expects, in their order."""
     seq = itertools.count()
 
     def event(kind: str, **data: Any) -> str:

@@ -1,5 +1,5 @@
-"""The capture server: every wire's routes under `/s/{session_id}` (the SDKs' `base_url`), the
-session registry, and an in-process uvicorn on a background thread (docs/concepts/capture.md)."""
+"""The capture server: every wire's routes under `/s/{session_id}` (the SDKs' `base_url`) on an
+in-process uvicorn, on a background thread (docs/concepts/capture.md)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(eq=False, repr=False)  # identity semantics, as a plain class
 class CaptureServer:
-    """Serves sessions for one agent-runner process. `generator`: the engine call (token ids,
-    sampling params, session id) -> `Generation`."""
+    """Serves sessions for one agent-runner process; `generator`: the engine call."""
 
     tokenizer: Any
     generator: Generator
@@ -182,7 +181,6 @@ class CaptureServer:
         return app
 
     async def _handle(self, session_id: str, request: Request, wire, answer: Callable):
-        """Common to every route: auth, session lookup, body, and errors in the wire's shape."""
         try:
             self._check_auth(request)
             session = self.sessions.get(session_id)

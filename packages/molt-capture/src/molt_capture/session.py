@@ -1,10 +1,5 @@
-"""One agent episode's token-exact trace: plan a turn, generate, commit, segment.
-
-The engine is always fed the segment's exact ids. A request that extends the last one (its
-messages, our reply, new messages) appends only the new messages' render: earlier turns are never
-re-rendered, generated tokens never re-tokenized. Any other request (compaction, edited history,
-changed tools or sampling) seals the segment (docs/concepts/capture.md, the history rule).
-"""
+"""One agent episode's token-exact trace. A request that extends the last one appends only the new
+messages' render; any other seals the segment (docs/concepts/capture.md, the history rule)."""
 
 from __future__ import annotations
 
@@ -171,17 +166,14 @@ class Session:
         return _Plan(delta is not None, context, prompt, prompt_text, params, room)
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:
-        """The new messages' text and the render it ends, for a request that extends the open
-        segment's conversation; None for anything else."""
+        """The new messages' text and the render it ends if `req` extends the open segment."""
         history, k = self._history, len(self._history)
         if not history or len(req.messages) <= k or req.tools != self._tools:
             return None
         for old, msg in zip(history, req.messages, strict=False):
             if not (old.matches(msg) if isinstance(old, Reply) else old == msg):
                 return None  # history was rewritten (compaction, an edited message)
-        reply = history[-1]
-        assert isinstance(reply, Reply)
-        return renderer.render_delta(reply.as_message(), req.messages[k:], req.tools)
+        return renderer.render_delta(history[-1].as_message(), req.messages[k:], req.tools)
 
     def _commit(
         self, plan: _Plan, req: ChatRequest, gen: Generation, reply: Reply, renderer: ChatRenderer
@@ -191,7 +183,6 @@ class Session:
                 self.sealed.append(self.current)
             self.current = Segment(temperature=plan.params.temperature, top_p=plan.params.top_p)
         seg = self.current
-        assert seg is not None
         seg.append_context(plan.context.token_ids, plan.context.images)
         seg.append_generation(gen, plan.params.max_tokens)
         closing = renderer.missing_closing(gen.token_ids)

@@ -1,7 +1,5 @@
-"""The embedded tiny tokenizer: a byte-level BPE trained on a small corpus and saved with a
-Qwen3-style chat template (system, tools, tool calls, tool results, reasoning), so no run or
-test ever downloads one. molt-rollout's tiny model is built on it (the quickstart's policy).
-"""
+"""The embedded tiny tokenizer (byte-level BPE, Qwen3-style chat template), so no run or test
+ever downloads one; molt-rollout's tiny model, the quickstart's policy, is built on it."""
 
 from __future__ import annotations
 

@@ -62,18 +62,9 @@ class Generation:
             rows = f"{n} ids but {len(self.routed_experts)} routing rows"
             raise ValueError(f"Generation has {rows}: every sampled token but the last was run")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Generation:
-        return cls(**d)
-
 
 @dataclass
 class TurnSpan:
-    """Where one generated turn sits in its segment, and how it was sampled."""
-
     start: int  # index of the first generated token
     end: int  # one past the last generated token
     max_tokens: int

@@ -1,5 +1,4 @@
-"""What every wire shares: strict request models, refusals that read alike on every wire,
-field-named 400s, content and tools in template form, and the framing of replies."""
+"""What every wire shares: strict request models, field-named 400s, template form, SSE framing."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
     "top_k": (-1, 0),
     "min_p": (0,),
 }
+STRUCTURED_OUTPUT_REFUSED = "structured output is not supported (no constrained decoding)"
 
 
 def refuse(where: str, why: str) -> CaptureError:
@@ -38,9 +38,6 @@ class WireModel(BaseModel):
 
 
 class WireRequest(WireModel):
-    """The fields every wire's request has. The sampling extras are refused (unless a no-op)
-    before the rest is validated."""
-
     model: str | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=2)
@@ -52,17 +49,14 @@ class WireRequest(WireModel):
         for name, no_ops in SAMPLING_REFUSED.items():
             value = raw.get(name) if isinstance(raw, dict) else None
             if value is not None and (isinstance(value, bool) or value not in no_ops):
-                why = "is not supported: it changes what is sampled untraceably"
-                raise CaptureError(400, f"{name} {why}", name)
+                raise refuse(name, "not supported: it changes what is sampled untraceably")
         return raw
 
     def chat(self, messages, tools, choice, max_tokens, stop, names) -> ChatRequest:
-        """The turn in template form. `choice`: the tool choice, refused unless auto or none (no
-        constrained decoding); `names`: the wire's names of `SamplingParams` fields."""
+        """The turn in template form; `names`: the wire's names of `SamplingParams` fields."""
         choice = str(choice.get("type")) if isinstance(choice, dict) else choice
         if choice not in (None, "auto", "none"):
-            why = "only tool_choice 'auto' or 'none' is supported (no constrained decoding)"
-            raise CaptureError(400, why, "tool_choice")
+            raise refuse("tool_choice", "must be 'auto' or 'none' (no constrained decoding)")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         sampling = (self.temperature, self.top_p, max_tokens, stop)
         return ChatRequest(messages, tools or None, *sampling, choice != "none", names)
@@ -158,11 +152,6 @@ def arguments(text: str, where: str) -> dict[str, Any]:
     return args
 
 
-def refuse_structured_output(param: str) -> CaptureError:
-    why = f"structured output ({param}) is not supported (no constrained decoding)"
-    return CaptureError(400, why, param)
-
-
 def check_tool_results(messages: list[dict[str, Any]], where: list[str]) -> None:
     """Every tool result answers a call of the assistant message before it (as the real APIs
     require): 400 naming the result's field (`where[i]`) otherwise."""
@@ -189,7 +178,6 @@ def function_call(call: ToolCall) -> dict[str, str]:
 
 
 def sse(data: dict[str, Any], named: bool = True) -> str:
-    """One server-sent event; `named`: with an `event:` line (its type). The generator answers
-    whole turns, so a reply's events are all sent once the turn is done."""
+    """One server-sent event. The generator answers whole turns: a reply's events all go at once."""
     head = f"event: {data['type']}\n" if named else ""
     return f"{head}data: {json.dumps(data)}\n\n"

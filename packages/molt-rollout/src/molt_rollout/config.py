@@ -1,6 +1,5 @@
 """Typed configuration of the generation side (`--rollout.*`, `--vllm.*`, `--router.*`,
-`--refit.*`), and its start-up checks, which raise naming the flags of a combination that
-cannot work."""
+`--refit.*`), and its start-up checks, which name the flags of a combination that cannot work."""
 
 from __future__ import annotations
 
@@ -129,8 +128,7 @@ def native_weight_versions(version: tuple[int, int] | None = None) -> bool:
 
 
 def adapter_name(prefix: str, version: int) -> str:
-    """The LoRA adapter the engines serve weight version `version` as (adapter refit): the name
-    the refit loads and the token client asks for."""
+    """The adapter name of weight version `version` (adapter refit), loaded and asked for."""
     return f"{prefix}-v{version}"
 
 
@@ -140,10 +138,9 @@ def validate_rollout_config(
     """Before Ray starts (the device checks: `validate_engine_devices`)."""
     _validate_rollouts(rollout)
     _validate_engines(vllm)
-    if refit.timeout_s <= 0 or router.startup_timeout_s <= 0:
-        raise ValueError("--refit.timeout_s and --router.startup_timeout_s must be > 0")
-    if refit.bucket_mb < 1:
-        raise ValueError("--refit.bucket_mb must be >= 1")
+    at_least("refit", refit, ("timeout_s",), 0, strict=True)
+    at_least("router", router, ("startup_timeout_s",), 0, strict=True)
+    at_least("refit", refit, ("bucket_mb",), 1)
     if refit.report_unupdated and not native_weight_versions():
         raise ValueError(
             "--refit.report_unupdated checksums the engines' weights through /weight_checker, "

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 LOOPBACK = "127.0.0.1"
 TOKEN_ENV = "MOLT_API_TOKEN"  # a token of the user's choosing instead of a random one
-REACH_TIMEOUT_S = 10.0
 
 
 def node_address() -> str:
@@ -64,8 +63,7 @@ class UnreachableError(ConnectionError):
     """A server on another node could not be dialled; the message names both ends."""
 
 
-def check_reachable(url: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Open (and close) a TCP connection to `url`'s host and port, or raise UnreachableError."""
+def check_reachable(url: str, what: str, timeout_s: float = 10.0) -> None:
     parts = urlsplit(url if "://" in url else f"tcp://{url}")
     host, port = parts.hostname or "", parts.port or 80
     try:

@@ -73,19 +73,10 @@ class ActorConfig:
 
 def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
     """ValueError naming the flags of a bad combination, before Ray starts."""
-    n, optim = actor.num_workers, actor.optim
-    if n < 1:
-        raise ValueError(f"--actor.num_workers must be >= 1, got {n}")
+    optim = actor.optim
+    validate_ranks(actor.num_workers, fsdp, "--actor.num_workers")
     if any(amount <= 0 for amount in actor.ray_resources.values()):
         raise ValueError(f"--actor.ray_resources amounts must be > 0, got {actor.ray_resources}")
-    for name in ("tp_size", "cp_size", "ep_size"):
-        size = getattr(fsdp, name)
-        if size < 1 or n % size:
-            raise ValueError(f"--fsdp.{name} {size} must be >= 1, dividing --actor.num_workers {n}")
-    if n % (fsdp.tp_size * fsdp.cp_size):
-        raise ValueError(f"--fsdp.tp_size * --fsdp.cp_size must divide --actor.num_workers {n}")
-    if (n // fsdp.tp_size) % fsdp.ep_size:
-        raise ValueError("--fsdp.ep_size must divide --actor.num_workers / --fsdp.tp_size")
     if fsdp.cp_size > 1 and (fsdp.tp_size > 1 or fsdp.ep_size > 1):
         raise ValueError(
             "--fsdp.cp_size > 1 is not combined with --fsdp.tp_size or ep_size > 1 yet"
@@ -101,6 +92,20 @@ def validate_actor_config(actor: ActorConfig, fsdp: FSDPConfig) -> None:
     if optim.total_steps is not None and optim.total_steps <= optim.warmup_steps:
         raise ValueError("--actor.optim.total_steps must exceed --actor.optim.warmup_steps")
     validate_lora_config(actor.lora)
+
+
+def validate_ranks(n: int, fsdp: FSDPConfig, flag: str) -> None:
+    """A model's ranks (`flag`: its num_workers) split by the `--fsdp.*` sizes."""
+    if n < 1:
+        raise ValueError(f"{flag} must be >= 1, got {n}")
+    for name in ("tp_size", "cp_size", "ep_size"):
+        size = getattr(fsdp, name)
+        if size < 1 or n % size:
+            raise ValueError(f"--fsdp.{name} {size} must be >= 1, dividing {flag} {n}")
+    if n % (fsdp.tp_size * fsdp.cp_size):
+        raise ValueError(f"--fsdp.tp_size * --fsdp.cp_size must divide {flag} {n}")
+    if (n // fsdp.tp_size) % fsdp.ep_size:
+        raise ValueError(f"--fsdp.ep_size must divide {flag} / --fsdp.tp_size")
 
 
 def validate_lora_config(lora: LoRAConfig) -> None:
@@ -153,9 +158,8 @@ def lr_at(step: int, optim: OptimConfig) -> float:
     if optim.schedule == "constant":
         return optim.lr
     progress = min(1.0, (step - optim.warmup_steps) / (optim.total_steps - optim.warmup_steps))
-    shape = (
-        1.0 - progress if optim.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    shape = 1.0 - progress if optim.schedule == "linear" else cosine
     return optim.min_lr + (optim.lr - optim.min_lr) * shape
 
 

@@ -26,8 +26,7 @@ SHARD_BYTES = 5 << 30  # safetensors shard size of an HF export
 
 class CheckpointManager:
     def __init__(self, root: str, keep_last: int) -> None:
-        self.root = Path(root)
-        self.keep_last = keep_last
+        self.root, self.keep_last = Path(root), keep_last
 
     def save(self, step: int, actors: dict, driver_state: dict) -> str:
         """Checkpoint every model group (role -> ModelGroup) and the driver's state at `step`."""
@@ -63,9 +62,7 @@ class CheckpointManager:
     def promote_best(self, step: int, record: dict) -> str:
         """Checkpoint `step` as `best_N/` (hard links: they outlive `step_N/`, in no space) with
         `record` in best.json; then `best` swapped onto it atomically."""
-        source = self.root / f"step_{step:08d}"
-        if not source.is_dir():
-            raise FileNotFoundError(f"no checkpoint of step {step} under {self.root} to promote")
+        source = self.root / f"step_{step:08d}"  # gone: copytree raises FileNotFoundError
         final = self.root / f"best_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -130,7 +127,8 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
 
 
 def save_sharded(path: str, model, optimizer, rank: int, extra: dict) -> None:
-    """One rank's part of `ModelGroup.save`, collective: DCP shards, and `extra` in rank_<r>.pt."""
+    """One rank's part of `ModelGroup.save` of a trained model (the reference is never saved),
+    collective: DCP shards, and `extra` in rank_<r>.pt."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -143,43 +141,38 @@ def save_sharded(path: str, model, optimizer, rank: int, extra: dict) -> None:
 def load_sharded(path: str, model, optimizer, rank: int) -> dict:
     """Restore what `save_sharded` wrote into `model` and `optimizer`; the rank's `extra`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     # Our own file: it holds numpy's RNG state, not just tensors.
     return torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
 
 
 def _state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optim": optim_state}
 
 
-def rng_state(cuda_device: torch.device | None) -> dict:
+def rng_state(device: torch.device) -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state()}
     state["torch"] = torch.get_rng_state()
-    if cuda_device is not None:
-        state["cuda"] = torch.cuda.get_rng_state(cuda_device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict, cuda_device: torch.device | None) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], cuda_device)
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def write_hf_checkpoint(

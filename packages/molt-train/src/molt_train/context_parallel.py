@@ -44,23 +44,9 @@ class KeyLayout:
     max_k: int
 
 
-@dataclass
-class Window:
-    """This rank's window of a packed row: the model's inputs and the way back to the row."""
-
-    inputs: dict  # input_ids, position_ids and the attention's key layout
-    targets: Tensor  # [1, W] the token each window position predicts (padding: 0)
-    shard: ContextShard
-    length: int  # tokens in the unpadded row
-
-    def whole(self, per_position: Tensor) -> Tensor:
-        """[1, W, ...] of this window -> [1, T - 1, ...] of the row, the same on every rank."""
-        row = _GatherWindows.apply(per_position, self.shard, 1, False)
-        return row[:, : self.length - 1]
-
-
-def window(batch: PackedBatch, shard: ContextShard) -> Window:
-    """This rank's window of a packed row."""
+def window(batch: PackedBatch, shard: ContextShard) -> tuple[dict, Tensor]:
+    """This rank's window of a packed row: the model's inputs (input_ids, position_ids, the
+    attention's key layout) and [1, W] the token each position predicts (padding: 0)."""
     length = sum(batch.lengths)
     width = -(-length // shard.size)
     pad = width * shard.size - length
@@ -86,7 +72,12 @@ def window(batch: PackedBatch, shard: ContextShard) -> Window:
     cu_q, cu_k = offsets(queries), offsets(keys)
     layout = KeyLayout(shard, key_start, hi, local, cu_q, cu_k, max(queries), max(keys))
     inputs = dict(input_ids=ids[:, lo:hi], position_ids=positions[:, lo:hi], context_layout=layout)
-    return Window(inputs, targets[:, lo:hi], shard, length)
+    return inputs, targets[:, lo:hi]
+
+
+def whole_row(per_position: Tensor, shard: ContextShard, length: int) -> Tensor:
+    """[1, W, ...] of this rank's window -> [1, length - 1, ...] of the row, on every rank."""
+    return _GatherWindows.apply(per_position, shard, 1, False)[:, : length - 1]
 
 
 class _GatherWindows(torch.autograd.Function):

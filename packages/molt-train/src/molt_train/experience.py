@@ -66,20 +66,19 @@ def correction_metrics(
 def make_experience(
     batch: Batch,
     version: int,
-    policy: ModelGroup,
-    algo: AlgoConfig,
+    cfg: RunConfig,
     kl_coef: float,
+    policy: ModelGroup,
     reference: ModelGroup | None = None,
     critic: ModelGroup | None = None,
-    routing_replay: bool = False,
-    reward: RewardConfig | None = None,
     reuse_training_forward: bool = False,
 ) -> Experience:
     """Samples with advantages, old log-probs and IS weights, trained at weight `version`."""
-    # kl_coef: the KL controller's current coefficient; reward: the length shaping.
+    # kl_coef: the KL controller's current coefficient.
+    algo, replay = cfg.algo, cfg.train.routing_replay
     rollouts = [r for group in batch.groups for r in group.rollouts]
     segments = [(r, s) for r in rollouts for s in r.segments]
-    samples = [_sample(s, algo.score_centering, routing_replay) for _, s in segments]
+    samples = [_sample(s, algo.score_centering, replay) for _, s in segments]
     width = max(len(s.token_ids) for s in samples)
 
     def rows(values: list, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -88,7 +87,7 @@ def make_experience(
     mask = rows([s.loss_mask for s in samples], torch.bool)
     rollout_logprobs = rows([s.logprobs for _, s in segments])
     ref = rows(reference.forward_logprobs(samples)) if reference else None
-    values = rows(critic.forward_values(samples)) if critic else None
+    values = rows(critic.forward_logprobs(samples)) if critic else None
     # `is/vllm_kl` is the engine/trainer mismatch alone: over the tokens sampled by exactly the
     # weights being trained (molt_algos.correction).
     current = rows([s.weight_versions for _, s in segments], torch.long) == version
@@ -105,7 +104,7 @@ def make_experience(
         metrics["ref/kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
         fields["ref_logprobs"] = ref
 
-    batch_ = _advantage_batch(rollouts, segments, mask, reward, metrics)
+    batch_ = _advantage_batch(rollouts, segments, mask, cfg.reward, metrics)
     kl = kl if kl_coef > 0 else None  # KL in the reward
     advantages = compute_advantages(
         dataclasses.replace(batch_, kl=kl, values=values, logprobs=old, teacher_logprobs=ref),
@@ -146,11 +145,7 @@ def _sample(segment: Segment, centering: bool, routing_replay: bool) -> Sample:
 
 
 def _advantage_batch(
-    rollouts: list[Rollout],
-    segments: list,
-    mask: Tensor,
-    reward: RewardConfig | None,
-    metrics: dict,
+    rollouts: list[Rollout], segments: list, mask: Tensor, reward: RewardConfig, metrics: dict
 ) -> AdvantageBatch:
     """Each segment's length-shaped reward, group and rollout (shaping metrics: `metrics`)."""
     # Advantages see every generated token (`mask`): IS filtering is the loss's.
@@ -158,7 +153,7 @@ def _advantage_batch(
         torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         torch.tensor([sum(s.num_generated for s in r.segments) for r in rollouts]),
         torch.tensor([is_truncated(r) for r in rollouts]),
-        reward or RewardConfig(),
+        reward,
     )
     metrics.update(shaped.metrics)
     groups = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}

@@ -93,16 +93,7 @@ def train_step(run: Run, step: int, batch: Batch, t_step: float) -> tuple[dict, 
     t_generated = time.perf_counter()
     with run.weights.asleep():
         experience = make_experience(
-            batch,
-            step,
-            run.policy,
-            cfg.algo,
-            kl_ctl.coef,
-            run.reference,
-            run.critic,
-            cfg.train.routing_replay,
-            cfg.reward,
-            run.reuse,
+            batch, step, cfg, kl_ctl.coef, run.policy, run.reference, run.critic, run.reuse
         )
         t_experience = time.perf_counter()
         train_metrics = train_on(run, experience)

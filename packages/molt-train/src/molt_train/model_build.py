@@ -47,7 +47,6 @@ def distributed_setup(cfg: ActorConfig, fsdp, world_size: int, compute, offload:
 def build_model(
     path: str, cfg: ActorConfig, role, lora: LoRAConfig | None, routing_replay, device, distributed
 ) -> torch.nn.Module:
-    """`role`'s model on `device`, sharded over `distributed`, with `lora`'s adapters."""
     if device.type == "cuda" and role != "critic":
         return _automodel(path, cfg, lora, routing_replay, distributed)
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import ray
 
 from molt_algos import GROUP_AGGREGATIONS, AlgoConfig
@@ -93,16 +94,12 @@ class ModelGroup:
             samples, self.cfg.max_tokens_per_microbatch, self.dp_size, self.padded
         )
 
-    def forward_logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        """Per-token log-probs (temperature-scaled) aligned with token_ids; 0.0 off the mask."""
+    def forward_logprobs(self, samples: list[Sample]) -> list[np.ndarray]:
+        """Per-token log-probs at the temperature (critic: values) by token_ids; 0.0 off the mask."""
         plan = self._plan(samples)
         per_rank = self._per_rank(plan, samples)
         results = self._all(lambda r, w: w.forward_logprobs.remote(per_rank[r]))
         return unplan(plan, results[:: self.replicas], len(samples))
-
-    def forward_values(self, samples: list[Sample]) -> list[list[float]]:
-        """Critic values V(token_ids[:t]) at each trained position t (0.0 elsewhere)."""
-        return self.forward_logprobs(samples)
 
     def train_step(
         self,
@@ -137,14 +134,14 @@ class ModelGroup:
         return self._all(lambda r, w: w.full_state.remote())[0]
 
     def init_refit(self, *args, **kwargs) -> None:
-        self._all(lambda r, w: w.init_refit.remote(*args, **kwargs))
+        self._all(lambda r, w: w.call_weights.remote("init_refit", *args, **kwargs))
 
     def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
         """New weights into every engine as `version`; rank 0's timings (`timing/refit_*`)."""
-        return self._all(lambda r, w: w.refit.remote(version, pause_mode))[0]
+        return self._all(lambda r, w: w.call_weights.remote("refit", version, pause_mode))[0]
 
     def set_engine_version(self, version: int) -> None:
-        self._all(lambda r, w: w.set_engine_version.remote(version))
+        self._all(lambda r, w: w.call_weights.remote("set_engine_version", version))
 
     def save(self, path: str) -> None:
         self._all(lambda r, w: w.save.remote(path))
@@ -153,7 +150,7 @@ class ModelGroup:
         self._all(lambda r, w: w.load.remote(path))
 
     def export_hf(self, path: str) -> None:
-        self._all(lambda r, w: w.export_hf.remote(path))
+        self._all(lambda r, w: w.call_weights.remote("export_hf", path))
 
     def release_memory(self) -> None:
         self._all(lambda r, w: w.release_memory.remote())

@@ -26,7 +26,7 @@ from molt_train.attention import DOCUMENT_ATTENTION, document_attention, route_s
 from molt_train.checkpoint import load_sharded, rng_state, save_sharded, set_rng_state
 from molt_train.context_parallel import CONTEXT_ATTENTION, ContextShard, context_attention
 from molt_train.model_build import build_model, distributed_setup, is_multimodal
-from molt_train.packing import PackedBatch, Sample, empty_batch, pack
+from molt_train.packing import PackedBatch, Sample, pack
 from molt_train.routing_replay import install_replay_hooks, moe_routers, replaying
 from molt_train.step_metrics import StepMetrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
@@ -152,18 +152,13 @@ class ModelWorker:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _batch(self, samples: list[Sample]) -> PackedBatch:
-        if not samples:
-            return empty_batch(self.device, self.padded)
-        return pack(samples, self.device, self.padded)
-
     def _token_stats(self, batch: PackedBatch, with_entropy: bool) -> TokenStats:
         # TP shards the LM head; under EP AutoModel keeps it out of the mixed-precision policy
         # (fp32 next to bf16 hidden states): let the model project there.
         from_hidden = self.fsdp.tp_size == 1 and self.fsdp.ep_size == 1
         args = (self.cfg.logprob_chunk_size, with_entropy, self.role == "critic", from_hidden)
         with torch.autocast(self.device.type, self.compute, enabled=self.autocast):
-            return packed_token_stats(self.model, batch, *args, batch.head_ids, self.shard)
+            return packed_token_stats(self.model, batch, *args, self.shard)
 
     @torch.no_grad()
     def forward_logprobs(self, microbatches: list[list[Sample]]) -> list[list[np.ndarray]]:
@@ -171,7 +166,7 @@ class ModelWorker:
         self.model.eval()
         kept = []
         for samples in microbatches:
-            batch = self._batch(samples)
+            batch = pack(samples, self.device, self.padded)
             with replaying(self.routers, batch.routing):
                 kept.append((samples, batch, self._token_stats(batch, False).logprobs))
         self._reshard()
@@ -212,7 +207,7 @@ class ModelWorker:
         for i, samples in enumerate(microbatches):
             if i == len(microbatches) - 1:
                 training.prepare_for_final_backward([self.model])
-            batch = self._batch(samples)
+            batch = pack(samples, self.device, self.padded)
             rows = None  # an empty (padding) microbatch has one untrained row
             if group_tokens is not None:
                 rows = torch.tensor(group_tokens[i] or [1], dtype=torch.float32)
@@ -245,10 +240,10 @@ class ModelWorker:
         return policy_objective(logprobs, entropy, heads, inputs, algo, window, dp_cp, sft)
 
     def _optimizer_step(self) -> dict[str, float]:
-        """Clip the gradients by their global norm, step the optimizer and the schedule."""
         meshes = self.distributed.mesh_context
         mesh, moe_mesh = meshes.device_mesh, meshes.moe_mesh
         synchronize_tp_replica_gradients([self.model], mesh)
+        replication = training.get_expert_tp_replication_factor([self.model], mesh)
         grad_norm = training.scale_grads_and_clip_grad_norm(
             self.cfg.optim.max_grad_norm,
             [self.model],
@@ -256,9 +251,7 @@ class ModelWorker:
             moe_mesh=moe_mesh,
             ep_axis_name="ep" if moe_mesh is not None else None,
             dp_group_size=self.dp_cp_size,
-            expert_tp_replication_factor=training.get_expert_tp_replication_factor(
-                [self.model], mesh
-            ),
+            expert_tp_replication_factor=replication,
             # PyTorch's foreach norm: AutoModel's Triton norm copies its tensor lists to the
             # GPU from pageable memory, a host wait each (docs/performance.md).
             use_torch_clip_grad_norm=True,
@@ -275,44 +268,36 @@ class ModelWorker:
 
     def full_state(self) -> dict | None:
         """Full weights and optimizer state on rank 0's host (small models: tests, debugging)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         weights = {name: t.cpu() for name, t in self.weights.named_full_tensors()}
         optim = None
         if self.optimizer is not None:
-            full = Options(full_state_dict=True, cpu_offload=True)
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
             optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
         return {"model": weights, "optim": optim, "steps": self.steps} if self.rank == 0 else None
 
-    def init_refit(self, *args, **kwargs) -> None:
-        self.weights.init_refit(*args, **kwargs)
-
-    def refit(self, version: int, pause_mode: str = "keep") -> dict[str, float]:
-        return self.weights.refit(version, pause_mode)
-
-    def set_engine_version(self, version: int) -> None:
-        self.weights.set_engine_version(version)
-
-    def export_hf(self, path: str) -> None:
-        self.weights.export_hf(path)
+    def call_weights(self, method: str, *args, **kwargs):
+        """`WeightsOut.<method>` (init_refit, refit, export_hf, ...): Ray calls the worker only."""
+        return getattr(self.weights, method)(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints, teardown
 
     def save(self, path: str) -> None:
         """Sharded DCP of model and optimizer, with schedule, step count and RNG states."""
-        scheduler = self.scheduler.state_dict() if self.scheduler else None
-        rng = rng_state(self.device if self.on_gpu else None)
-        extra = {"steps": self.steps, "rng": rng, "scheduler": scheduler}
+        scheduler = self.scheduler.state_dict()
+        extra = {"steps": self.steps, "rng": rng_state(self.device), "scheduler": scheduler}
         save_sharded(path, self.model, self.optimizer, self.rank, extra)
 
     def load(self, path: str) -> None:
         self._reshard()
         extra = load_sharded(path, self.model, self.optimizer, self.rank)
         self.steps = extra["steps"]
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        set_rng_state(extra["rng"], self.device if self.on_gpu else None)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        set_rng_state(extra["rng"], self.device)
 
     def release_memory(self) -> None:
         """Cached blocks back to the GPU, for an engine waking on it (--vllm.enable_sleep_mode)."""

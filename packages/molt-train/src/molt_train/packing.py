@@ -167,7 +167,9 @@ class PackedBatch:
 def pack(
     samples: list[Sample], device: torch.device | str = "cpu", padded: bool = False
 ) -> PackedBatch:
-    """One packed row of `samples` (all of one temperature), or one padded row each."""
+    """One packed row of `samples` (all of one temperature), or one padded row each; no samples:
+    a batch that trains nothing (a rank short of microbatches runs the same collectives)."""
+    samples = samples or [Sample(token_ids=[0, 0], loss_mask=[0, 0])]
     temperatures = {s.temperature for s in samples}
     if len(temperatures) != 1:
         raise ValueError(f"a microbatch needs one temperature, got {sorted(temperatures)}")
@@ -203,9 +205,8 @@ def _to(value, device: torch.device | str):
     """A host tensor (or those of a dict or dataclass) on `device`, without waiting."""
     # To a GPU through pinned memory: from pageable memory each copy makes the host wait.
     if is_dataclass(value):
-        return replace(
-            value, **{f.name: _to(getattr(value, f.name), device) for f in fields(value)}
-        )
+        moved = {f.name: _to(getattr(value, f.name), device) for f in fields(value)}
+        return replace(value, **moved)
     if isinstance(value, dict):
         return {name: _to(tensor, device) for name, tensor in value.items()}
     if not isinstance(value, Tensor):
@@ -263,8 +264,3 @@ def _heads(samples: list[Sample], width: int) -> tuple[Tensor | None, Tensor | N
             ids[i, t, : len(row_ids)] = torch.as_tensor(row_ids, dtype=torch.long)
             logprobs[i, t, : len(row_lps)] = torch.as_tensor(row_lps, dtype=torch.float32)
     return ids, logprobs
-
-
-def empty_batch(device: torch.device | str = "cpu", padded: bool = False) -> PackedBatch:
-    """A batch that trains nothing: a rank short of microbatches runs the same collectives."""
-    return pack([Sample(token_ids=[0, 0], loss_mask=[0, 0])], device, padded)

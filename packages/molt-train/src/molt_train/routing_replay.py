@@ -28,10 +28,7 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     for name, module in model.named_modules():
         native = getattr(module, "router_replay", None) is not None  # AutoModel's Gate
         if native or type(module).__name__ in HF_SOFTMAX_ROUTERS:
-            match = _LAYER.search(name)
-            if match is None:
-                raise ValueError(f"router {name} sits in no numbered decoder layer")
-            routers.append((int(match.group(1)), module))
+            routers.append((int(_LAYER.search(name).group(1)), module))
     return routers
 
 

@@ -22,6 +22,7 @@ from molt_rollout.engines.engine import COLOCATED_GPU_SHARE, gpu_bundles
 from molt_rollout.engines.service import EngineRestarted, RolloutService
 from molt_rollout.engines.tiny_model import build_tiny_model
 from molt_rollout.network import Network
+from molt_rollout.refit.control import set_sleeping
 from molt_train.checkpoint import BestTracker, CheckpointManager
 from molt_train.config import RunConfig, adapter_serving, model_configs, trained_staleness
 from molt_train.experience import reuses_training_forward
@@ -29,7 +30,6 @@ from molt_train.logger import MetricsLogger, format_final_message
 from molt_train.model_group import ModelGroup
 from molt_train.signals import GracefulStop
 from molt_train.validate import validate_run_config
-from molt_train.weights import EngineWeights
 
 
 class Run:
@@ -57,7 +57,7 @@ class Run:
             min_rollouts_per_group=2 if groups else 1,  # a group baseline compares two at least
             group_filter=keep_informative_group if cfg.algo.dynamic_filtering_enable else None,
         )
-        self.weights = EngineWeights(cfg, self.rollout, self.runners, self.models, run_dir)
+        self.weights = EngineWeights(self)
         algo, ckpt = cfg.algo, cfg.ckpt
         self.kl_ctl = kl_controller(algo.advantage.kl_coef, algo.kl.target, algo.kl.horizon)
         self.checkpoints = CheckpointManager(str(run_dir / "checkpoints"), ckpt.keep_last)
@@ -112,14 +112,81 @@ class Run:
         print(format_final_message(paths, str(self.run_dir / "checkpoints")))
 
 
+class EngineWeights:
+    """The engines' copy of the policy: a push sends it from the policy's rank 0 into every engine
+    (one the watch restarted first rejoins), then tells the runners the version all serve."""
+
+    def __init__(self, run: Run) -> None:
+        self.cfg, self.rollout, self.runners = run.cfg, run.rollout, run.runners
+        self.policy, self.models = run.policy, run.models  # a waking engine needs all their memory
+        self.adapter_dir = str((run.run_dir / "adapters").resolve())  # the adapter refit's
+        self.pause_mode = "keep" if run.cfg.train.partial_rollout_enable else "wait"
+        self._link(run.rollout.engine_urls)
+
+    def _link(self, engine_urls: list[str]) -> None:
+        """The policy's rank 0 joins a weight-transfer group with every engine worker."""
+        rollout, cfg = self.rollout, self.cfg
+        self.policy.init_refit(
+            engine_urls,
+            rollout.workers_per_engine,
+            cfg.refit,
+            cfg.train.colocate,
+            rollout.adapters,
+            self.adapter_dir,
+            rollout.network,
+        )
+
+    def start(self, version: int, restored: bool) -> None:
+        """The engines serve `version` from the first request: a resumed run's weights, or with
+        the adapter refit a fresh run's adapter (B = 0), so every token takes the LoRA path."""
+        if restored or self.rollout.adapters is not None:
+            self.policy.refit(version)
+        else:
+            self.policy.set_engine_version(version)
+        self.runners.tell_version(version)
+
+    def push(self, version: int) -> dict[str, float]:
+        try:
+            times = self.rejoin(version) or self.policy.refit(version, self.pause_mode)
+        except Exception:  # an engine died under the refit: restarted, it is refit with the rest
+            if not (times := self.rejoin(version)):
+                raise
+        self.runners.tell_version(version)  # every engine serves it: no version read per request
+        return times
+
+    def rejoin(self, version: int) -> dict[str, float]:
+        """Engines restarted since the last call get the weights; {} if none was."""
+
+        def relink_and_refit(engine_urls: list[str]) -> dict[str, float]:
+            self._link(engine_urls)
+            return self.policy.refit(version, self.pause_mode)
+
+        return self.rollout.rejoin(relink_and_refit)
+
+    @contextlib.contextmanager
+    def asleep(self):
+        """--vllm.enable_sleep_mode: the engines' GPU memory is the trainer's meanwhile."""
+        if not self.cfg.vllm.enable_sleep_mode:
+            yield
+            return
+        self._set_sleeping(True)
+        yield
+        for group in self.models:  # their allocators still hold the step's peak
+            group.release_memory()
+        self._set_sleeping(False)
+
+    def _set_sleeping(self, sleeping: bool) -> None:
+        urls, token = self.rollout.engine_urls, self.rollout.network.token
+        set_sleeping(urls, sleeping, self.pause_mode, self.cfg.refit.timeout_s, token)
+
+
 def prepare_run_dir(cfg, kind: str = "run"):
     """The run directory of a RunConfig or SFTConfig, with its model and name in config.json."""
     model = cfg.actor.model_path or str(build_tiny_model())
     name = cfg.logger.run_name or time.strftime(f"{kind}-%Y%m%d-%H%M%S")
     actor = dataclasses.replace(cfg.actor, model_path=model)
-    cfg = dataclasses.replace(
-        cfg, actor=actor, logger=dataclasses.replace(cfg.logger, run_name=name)
-    )
+    logger = dataclasses.replace(cfg.logger, run_name=name)
+    cfg = dataclasses.replace(cfg, actor=actor, logger=logger)
     run_dir = Path(cfg.train.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))

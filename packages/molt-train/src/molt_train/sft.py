@@ -94,23 +94,21 @@ def assistant_sample(
     with the generation prompt to the end of `messages[:i+1]` (a template must not rewrite it)."""
 
     def render(part: list[dict], prompt: bool) -> list[int]:
-        ids = tokenizer.apply_chat_template(
-            part, tools=tools, tokenize=True, add_generation_prompt=prompt, return_dict=False
-        )
-        return list(ids)
+        options = dict(tools=tools, tokenize=True, add_generation_prompt=prompt, return_dict=False)
+        return list(tokenizer.apply_chat_template(part, **options))
 
     ids = render(messages, False)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start, end = len(render(messages[:i], True)), len(render(messages[: i + 1], False))
-        if render(messages[: i + 1], False) != ids[:end]:
+        start, turn = len(render(messages[:i], True)), render(messages[: i + 1], False)
+        if turn != ids[: len(turn)]:
             raise ValueError(
                 f"the chat template renders turn {i} differently inside the full conversation; "
                 "its assistant tokens cannot be located"
             )
-        mask[start:end] = [1] * (end - start)
+        mask[start : len(turn)] = [1] * (len(turn) - start)
     return Sample(token_ids=ids[:max_len], loss_mask=mask[:max_len])
 
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from molt_algos.logprobs import logprobs_from_logits, token_logprobs_and_entropy
 from molt_train.attention import DOCUMENT_ATTENTION, document_kwargs
-from molt_train.context_parallel import window
+from molt_train.context_parallel import whole_row, window
 from molt_train.packing import PackedBatch
 
 
@@ -26,26 +26,25 @@ class TokenStats(NamedTuple):
 
 
 def packed_token_stats(
-    model, batch, chunk, with_entropy, critic=False, from_hidden=True, head_ids=None, shard=None
+    model, batch, chunk, with_entropy, critic=False, from_hidden=True, shard=None
 ) -> TokenStats:
-    """Log-probs at the batch's temperature (critic: values), entropy, and with `head_ids`
-    [S, L, K] the candidates' log-probs; with `shard`, from this rank's window of the row."""
+    """Log-probs at the batch's temperature (critic: values), entropy, and with the batch's
+    `head_ids` the candidates' log-probs; with `shard`, from this rank's window of the row."""
     inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
     inputs.update(batch.images)  # a multimodal policy's pixel values; none for text
     if model.config._attn_implementation == DOCUMENT_ATTENTION and batch.cu_seqlens is not None:
         inputs.update(document_kwargs(batch.cu_seqlens, batch.lengths))
-    targets, part = batch.input_ids[:, 1:], None  # the tokens positions 0..T-2 predict
+    targets = batch.input_ids[:, 1:]  # the tokens positions 0..T-2 predict
     if shard is not None:
-        part = window(batch, shard)
-        inputs.update(part.inputs)
-        targets = part.targets
+        window_inputs, targets = window(batch, shard)
+        inputs.update(window_inputs)
 
     def rows(per_position: Tensor | None) -> Tensor | None:
         """Predicting positions' values -> [S, L] rows of the tokens they predict."""
         if per_position is None:
             return None
-        if part is not None:
-            per_position = part.whole(per_position)
+        if shard is not None:
+            per_position = whole_row(per_position, shard, sum(batch.lengths))
         return batch.to_rows(torch.nn.functional.pad(per_position, (1, 0)))
 
     predicting = targets.shape[1]  # the first positions of the model's output
@@ -66,9 +65,7 @@ def packed_token_stats(
         hidden, weight, targets, batch.temperature, chunk, with_entropy
     )
     sampled = rows(logprobs)
-    head = (
-        None if head_ids is None else candidate_logprobs(hidden, weight, batch, sampled, head_ids)
-    )
+    head = None if batch.head_ids is None else candidate_logprobs(hidden, weight, batch, sampled)
     return TokenStats(sampled, rows(entropy), head)
 
 
@@ -89,9 +86,7 @@ def _final_hidden(model: torch.nn.Module, inputs: dict, predicting: int) -> tupl
     return hidden, weight
 
 
-def candidate_logprobs(
-    hidden: Tensor, weight: Tensor, batch: PackedBatch, rows: Tensor, head_ids: Tensor
-) -> Tensor:
+def candidate_logprobs(hidden: Tensor, weight: Tensor, batch: PackedBatch, rows: Tensor) -> Tensor:
     """[S, L, K] log pi(j) = (z_j - z_y) / tau + log pi(y), z = h . W, y the sampled token."""
     # K rows of W per position, never the [T, V] logits: log pi(y) holds the logsumexp.
     states = torch.nn.functional.pad(hidden, (0, 0, 1, 0))  # position p: predicts token p
@@ -99,7 +94,7 @@ def candidate_logprobs(
     weight = weight.float()
     sampled = batch.input_ids.flatten()[batch.row_index]
     z_sampled = (states * weight[sampled]).sum(-1)
-    z_heads = torch.einsum("slh,slkh->slk", states, weight[head_ids])
+    z_heads = torch.einsum("slh,slkh->slk", states, weight[batch.head_ids])
     head = (z_heads - z_sampled[..., None]) / batch.temperature + rows[..., None]
     return torch.where(batch.valid[..., None], head, torch.zeros_like(head))
 

@@ -14,7 +14,7 @@ from molt_rollout import ChatRunner, load_agent, validate_rollout_config
 from molt_rollout.agents.data import validate_data_config
 from molt_rollout.agents.eval import validate_eval_config
 from molt_rollout.config import at_least, validate_engine_devices
-from molt_train.actor_config import validate_actor_config, validate_actor_devices
+from molt_train.actor_config import validate_actor_config, validate_actor_devices, validate_ranks
 from molt_train.config import (
     RunConfig,
     StartupError,
@@ -214,16 +214,9 @@ def validate_adapter_refit(cfg: RunConfig) -> None:
 
 def validate_model_ranks(cfg: RunConfig) -> None:
     """Every model is parallelised by the same `--fsdp.*` sizes, as the actor's are."""
-    tp, cp, ep = cfg.fsdp.tp_size, cfg.fsdp.cp_size, cfg.fsdp.ep_size
     flags = {"reference": "--ref.num_workers", "critic": "--critic.num_workers"}
     for role, model in list(model_configs(cfg).items())[1:]:
-        ranks = model.num_workers
-        if ranks < 1 or ranks % (tp * cp) or (ranks // tp) % ep:
-            raise ValueError(
-                f"{flags[role]} {ranks}: with --fsdp.tp_size {tp}, --fsdp.cp_size {cp} and "
-                f"--fsdp.ep_size {ep} a model's ranks are a multiple of tp_size x cp_size, with "
-                "ep_size dividing ranks / tp_size"
-            )
+        validate_ranks(model.num_workers, cfg.fsdp, flags[role])
 
 
 def validate_devices(cfg: RunConfig, cluster_gpus: int) -> None:

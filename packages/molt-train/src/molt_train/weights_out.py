@@ -42,6 +42,8 @@ class WeightsOut:
 
     def __init__(self, model, device, rank, model_path: str, dtype, lora: LoRAConfig | None = None):
         self.model, self.device, self.rank = model, device, rank
+        # AutoModel's native classes convert their weights to HF names and layouts through it.
+        self.state_dict_adapter = getattr(model, "state_dict_adapter", None)
         self.model_path, self.dtype, self.lora = model_path, dtype, lora
         self.refitter = None  # rank 0's: molt_rollout's Refitter or AdapterRefitter
         self.adapter_dir = ""  # rank 0, adapter refit: each version's adapter goes below it
@@ -57,7 +59,7 @@ class WeightsOut:
         # One call over shape-only copies: per tensor it rebuilds its mapping each time.
         from transformers.core_model_loading import revert_weight_conversion
 
-        if getattr(self.model, "state_dict_adapter", None) is not None:
+        if self.state_dict_adapter is not None:
             return set()
         probe = {
             hf_name(name): torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -72,7 +74,6 @@ class WeightsOut:
         # the bytes cross the wire.
         from transformers.core_model_loading import revert_weight_conversion
 
-        adapter = getattr(self.model, "state_dict_adapter", None)
         early = gather_in or dtype
         items = (
             # An adapted layer's W, A and B are merged in fp32 first (molt_train.lora).
@@ -84,8 +85,8 @@ class WeightsOut:
             gathered = merge_adapters(gathered, self.lora_scales)
         for name, tensor in gathered:
             tensor = tensor.to(dtype or tensor.dtype)
-            if adapter is not None:
-                yield from adapter.convert_single_tensor_to_hf(name, tensor)
+            if self.state_dict_adapter is not None:
+                yield from self.state_dict_adapter.convert_single_tensor_to_hf(name, tensor)
             elif name in self.unconverted:
                 yield name, tensor
             else:  # transformers classes undo their load-time conversions (fused MoE experts)
@@ -100,15 +101,14 @@ class WeightsOut:
     def check_adapter_names(self) -> None:
         """Every adapted weight reaches the checkpoint under its own name and shape."""
         # --actor.lora.refit adapter: vLLM finds an adapter by its layer's checkpoint name.
-        adapter = getattr(self.model, "state_dict_adapter", None)
         state = {hf_name(name): t for name, t in self.model.state_dict().items()}
         renamed = []
         for layer in self.lora_scales:
             name = f"{layer}.weight"
             kept = name in self.unconverted
-            if adapter is not None:  # a host tensor of the full shape through its conversion
+            if self.state_dict_adapter is not None:  # a full-shape host tensor through it
                 probe = torch.empty(state[name].shape, dtype=state[name].dtype)
-                out = list(adapter.convert_single_tensor_to_hf(name, probe))
+                out = list(self.state_dict_adapter.convert_single_tensor_to_hf(name, probe))
                 kept = len(out) == 1 and out[0][0] == name and out[0][1].shape == probe.shape
             if not kept:
                 renamed.append(layer)
@@ -184,9 +184,8 @@ class WeightsOut:
         from transformers import AutoConfig
 
         config = copy.deepcopy(self.model.config)
+        # transformers reads a declared dtype as a torch.dtype; none declared: fp32.
         declared = getattr(AutoConfig.from_pretrained(self.model_path), "dtype", None)
-        if isinstance(declared, str):
-            declared = getattr(torch, declared, None)
         config.dtype = declared if isinstance(declared, torch.dtype) else torch.float32
         tensors = self.named_full_tensors(config.dtype)
         self._on_rank0(tensors, lambda: write_hf_checkpoint(path, tensors, config, self.model_path))
@@ -251,8 +250,7 @@ def gather_full(items, device: torch.device) -> Iterator[tuple[str, Tensor]]:
 
 
 def _gather_bucket(run: list[tuple[str, Tensor, torch.dtype]], device: torch.device):
-    """One all-gather of a bucket of row-sharded tensors."""
-    # Each rank packs its row blocks (cast on the way, padded to the block size) into one flat
+    # One all-gather per bucket: each rank packs its row blocks (cast on the way, padded to the block size) into one flat
     # buffer; every full tensor is cut out of the gathered ones.
     if not run:
         return

@@ -1,15 +1,14 @@
 """The agent contract: an `Env` (the runner owns the LLM loop and calls `env.step`) or a
 `ChatAgent` (it owns its loop through a stock SDK pointed at `ctx.base_url`), each answering
-with a `Result`; a module exports `AgentRunner`, a subclass of EnvRunner or ChatRunner.
-See docs/concepts/agents.md."""
+with a `Result`; a module exports `AgentRunner`. See docs/concepts/agents.md."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import math
 import time
+import traceback
 import weakref
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -83,23 +82,25 @@ class ChatContext:
     deadline_s: float | None = None  # the runner drops the rollout after this long
 
     def openai_client(self, **kwargs: Any) -> Any:
-        """A stock `openai.AsyncOpenAI` for this session, on the event loop's shared
-        connections; `kwargs` go to its constructor."""
+        """A stock `openai.AsyncOpenAI` for this session, on the event loop's shared connections."""
         import openai
 
-        http = shared_http_client(openai)
-        return openai.AsyncOpenAI(
-            base_url=self.base_url, api_key=self.api_key, http_client=http, **kwargs
-        )
+        return openai.AsyncOpenAI(**self._sdk_args(openai, self.base_url), **kwargs)
 
     def anthropic_client(self, **kwargs: Any) -> Any:
         """A stock `anthropic.AsyncAnthropic` for this session, as `openai_client`."""
         import anthropic
 
-        http, url = shared_http_client(anthropic), self.anthropic_base_url
-        return anthropic.AsyncAnthropic(
-            base_url=url, api_key=self.api_key, http_client=http, **kwargs
-        )
+        args = self._sdk_args(anthropic, self.anthropic_base_url)
+        return anthropic.AsyncAnthropic(**args, **kwargs)
+
+    def _sdk_args(self, sdk: Any, base_url: str) -> dict[str, Any]:
+        """The session's URL and key, on the running event loop's shared HTTP client for `sdk`."""
+        clients = _HTTP_CLIENTS.setdefault(asyncio.get_running_loop(), {})
+        if sdk.__name__ not in clients:
+            client = clients[sdk.__name__] = sdk.DefaultAsyncHttpxClient()
+            client.aclose = _keep_open  # every rollout on the loop uses it: it goes with the loop
+        return {"base_url": base_url, "api_key": self.api_key, "http_client": clients[sdk.__name__]}
 
     def anthropic_args(self) -> dict[str, Any]:
         """`system`, `messages`, `tools` and `max_tokens` for `client.messages.create(...)`."""
@@ -118,22 +119,8 @@ class ChatContext:
 _HTTP_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shared_http_client(sdk: Any) -> Any:
-    """The running event loop's HTTP client for `sdk` (the `openai` or `anthropic` module);
-    closing an SDK client built on it leaves it open for the loop's other rollouts."""
-    clients = _HTTP_CLIENTS.setdefault(asyncio.get_running_loop(), {})
-    if sdk.__name__ not in clients:
-        clients[sdk.__name__] = _unclosable(sdk.DefaultAsyncHttpxClient)()
-    return clients[sdk.__name__]
-
-
-@functools.cache
-def _unclosable(http_client_class: type) -> type:
-    class Shared(http_client_class):
-        async def aclose(self) -> None:
-            pass  # every rollout on the loop uses it: it goes with the loop
-
-    return Shared
+async def _keep_open() -> None:
+    pass
 
 
 def _anthropic_tool(fn: dict[str, Any]) -> dict[str, Any]:
@@ -149,9 +136,8 @@ def _named(fn: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class Dropped:
     """A rollout that produced nothing trainable, counted as `rollout/dropped/<reason>`:
-    agent_error, engine_error, deadline, bad_result, bad_row, prompt_too_long, empty (a
-    ChatAgent that never called the model), session_busy (it left a model call running), or an
-    agent's own. `detail`: for the log."""
+    agent_error, engine_error, deadline, bad_result, bad_row, prompt_too_long, empty (no model
+    call), session_busy (a model call left running) or an agent's own."""
 
     reason: str
     detail: str
@@ -161,8 +147,7 @@ class Dropped:
 
 
 class RolloutDropped(Exception):
-    """Ends a rollout as `Dropped` (never escapes a runner's `run`): runners raise it, and an
-    agent may too, with its own reason."""
+    """Ends a rollout as `Dropped` (never escapes `Runner.run`); an agent may raise it too."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -247,14 +232,15 @@ def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 def check_result(result: Any) -> Result:
     if not isinstance(result, Result):
         raise RolloutDropped("bad_result", f"expected a Result, got {type(result).__name__}")
-    if isinstance(result.reward, bool) or not isinstance(result.reward, int | float):
-        raise RolloutDropped("bad_result", f"reward {result.reward!r} is not a number")
-    if not math.isfinite(result.reward):
-        raise RolloutDropped("bad_result", f"reward {result.reward} is not finite")
-    score = result.score
-    if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
-        raise RolloutDropped("bad_result", f"score {score!r} is not a number or None")
+    if not _is_number(result.reward) or not math.isfinite(result.reward):
+        raise RolloutDropped("bad_result", f"reward {result.reward!r} is not a finite number")
+    if result.score is not None and not _is_number(result.score):
+        raise RolloutDropped("bad_result", f"score {result.score!r} is not a number or None")
     return result
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def numeric_info(info: dict[str, Any]) -> dict[str, float]:
@@ -264,19 +250,10 @@ def numeric_info(info: dict[str, Any]) -> dict[str, float]:
 
 def describe(error: BaseException) -> str:
     """`Type: message (file:line in function)` of where it was raised, for Dropped.detail."""
-    where = ""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is not None:
-        code = tb.tb_frame.f_code
-        where = f" ({Path(code.co_filename).name}:{tb.tb_lineno} in {code.co_name})"
+    frames, where = traceback.extract_tb(error.__traceback__, limit=-1), ""
+    if frames:
+        where = f" ({Path(frames[0].filename).name}:{frames[0].lineno} in {frames[0].name})"
     return f"{type(error).__name__}: {error}{where}"
-
-
-def _consume(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not warn about it
 
 
 async def within_deadline(coro: Awaitable[T], deadline_s: float | None) -> T:
@@ -291,5 +268,6 @@ async def within_deadline(coro: Awaitable[T], deadline_s: float | None) -> T:
     if task in done:
         return task.result()
     task.cancel()
-    task.add_done_callback(_consume)
+    # Its exception retrieved when it ends, so asyncio does not warn about it.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     raise RolloutDropped("deadline", f"rollout still running after {deadline_s} s")

@@ -1,6 +1,5 @@
-"""The chat runner: the agent owns its LLM loop through a stock SDK, and a capture server (one
-per runner process, on loopback, started on first use) records each rollout's session as
-token-exact segments."""
+"""The chat runner: the agent owns its LLM loop through a stock SDK; a capture server (one per
+runner process, on loopback, started on first use) records each session as token-exact segments."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from molt_capture.types import Rollout, Segment
 from molt_rollout.agents.agent import (
     ChatAgent,
     ChatContext,
-    Dropped,
     Result,
     RolloutDropped,
     Runner,
@@ -28,7 +26,6 @@ from molt_rollout.agents.agent import (
     row_messages,
     within_deadline,
 )
-from molt_rollout.config import RolloutConfig
 
 # How long closing a session may wait for a model call the agent left running.
 CLOSE_GRACE_S = 5.0
@@ -44,7 +41,8 @@ class ChatRunner(Runner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._server: CaptureServer | None = None
-        self._server_owner: ChatRunner | None = None  # set on a with_sampling() sibling
+        # A with_sampling() copy keeps this: one capture server per runner process, the owner's.
+        self._owner = self
         # Sessions whose engine call failed (a dead engine): their rollouts drop as
         # `engine_error`, whatever the agent's SDK made of the 502. Shared with siblings.
         self._engine_failed: set[str] = set()
@@ -52,21 +50,20 @@ class ChatRunner(Runner):
     @property
     def server(self) -> CaptureServer:
         """Started lazily, so runners that are never used hold no port or thread."""
-        if self._server_owner is not None:
-            return self._server_owner.server  # one capture server per runner process
-        if self._server is None:
-            cfg = self.config
-            self._server = CaptureServer(
-                self.tokenizer,
-                self._generate,
+        owner = self._owner
+        if owner._server is None:
+            cfg = owner.config
+            owner._server = CaptureServer(
+                owner.tokenizer,
+                owner._generate,
                 parser=cfg.parser,
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 model_name=cfg.model_name,
                 generator_timeout_s=cfg.generator_timeout_s,
                 max_request_bytes=cfg.max_request_bytes,
-                image_encoder=self.image_encoder,
+                image_encoder=owner.image_encoder,
             ).start()
-        return self._server
+        return owner._server
 
     async def _generate(self, ids: list[int], params, session_id: str, **images):
         try:
@@ -82,20 +79,13 @@ class ChatRunner(Runner):
         assert self.agent_class is not None, "set AgentRunner.agent_class"
         return self.agent_class()
 
-    def with_sampling(self, config: RolloutConfig) -> ChatRunner:
-        """As Runner's, on the same capture server (sampling is set per session)."""
-        sibling = super().with_sampling(config)
-        sibling._server, sibling._server_owner = None, self
-        return sibling
-
     def close(self) -> None:
-        if self._server is not None:
+        if self._owner is self and self._server is not None:
             self._server.stop()
             self._server = None
 
     async def _rollout(self, row: dict, rollout_id: str, group_id: str, t0: float):
         session: Session | None = None
-        closed = False
         try:  # a RolloutDropped raised here becomes the rollout's Dropped (Runner.run)
             messages = row_messages(row)
             if self.image_encoder is not None:  # the row's images as the SDKs send them
@@ -108,15 +98,15 @@ class ChatRunner(Runner):
             result = await within_deadline(self._run_agent(ctx, session), self.config.deadline_s)
             agent_s = time.monotonic() - t0
             segments = await self._close(session)
-            closed = True
         finally:
             if session is not None:
                 self._engine_failed.discard(session.id)
-                if not closed:
-                    self._discard(session)
+                # A failed rollout's session, forgotten without waiting (later requests get
+                # 404); a closed one is gone already (KeyError).
+                with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError, KeyError):
+                    self.server.close_session(session.id, timeout_s=0)
         if not segments:
-            never = "the agent never called the model"
-            return Dropped("empty", never, rollout_id, group_id, agent_s)
+            raise RolloutDropped("empty", "the agent never called the model")
         if result.truncated:
             segments[-1].truncated = True
         turns = float(sum(len(s.turns) for s in segments))
@@ -162,16 +152,10 @@ class ChatRunner(Runner):
         return check_result(result)
 
     async def _close(self, session: Session) -> list[Segment]:
-        """On a worker thread: it blocks while a model call still commits, and the loop serves
-        the other rollouts meanwhile."""
+        """On a worker thread: it blocks while a model call still commits; the loop serves on."""
         try:
             return await asyncio.to_thread(self.server.close_session, session.id, CLOSE_GRACE_S)
         except (TimeoutError, concurrent.futures.TimeoutError) as e:
             raise RolloutDropped(
                 "session_busy", f"a model call was still running {CLOSE_GRACE_S} s after run()"
             ) from e
-
-    def _discard(self, session: Session) -> None:
-        """Forget a failed rollout's session without waiting (later requests on it get 404)."""
-        with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError, KeyError):
-            self.server.close_session(session.id, timeout_s=0)

@@ -65,12 +65,11 @@ def load_rows(
     spec: str, split: str = "train", prompt_key: str = "prompt", label_key: str = "label"
 ) -> list[dict[str, Any]]:
     """Every row of a `.jsonl`/`.json`/`.parquet` file, a saved dataset (`split` of a
-    DatasetDict), a directory of data files or a hub id, checked: a ValueError names the source,
-    the row and the problem. `prompt_key`, `label_key`: the columns of `prompt` and `label`."""
+    DatasetDict), a directory of data files or a hub id, checked: a ValueError names the row."""
     path = Path(spec)
     name = _source_name(spec, path)
     rows = enumerate(_read(spec, path, split))
-    return [_normalise(row, i, spec, name, prompt_key, label_key) for i, row in rows]
+    return [_normalise(row, f"{spec}: row {i}", name, prompt_key, label_key) for i, row in rows]
 
 
 def _read(spec: str, path: Path, split: str) -> list[Any]:
@@ -127,8 +126,7 @@ def _read_with_datasets(spec: str, path: Path, split: str) -> list[Any]:
 
 
 def _source_name(spec: str, path: Path) -> str:
-    """The default `data_source`: a file's stem (its directory's name when the file is named
-    after a split), a directory's name, or the hub id."""
+    """The default `data_source`: a file's stem (a split file's directory name), else the name."""
     if path.exists():
         path = path.resolve()
         if path.is_file():
@@ -137,10 +135,7 @@ def _source_name(spec: str, path: Path) -> str:
     return spec
 
 
-def _normalise(
-    row: Any, i: int, spec: str, name: str, prompt_key: str, label_key: str
-) -> dict[str, Any]:
-    where = f"{spec}: row {i}"
+def _normalise(row: Any, where: str, name: str, prompt_key: str, label_key: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ValueError(f"{where} is a {type(row).__name__}, not a dict")
     row = dict(row)
@@ -187,11 +182,9 @@ def _check_prompt(prompt: Any, where: str) -> None:
 
 
 def _check_tools(tools: Any, where: str) -> None:
-    if tools is None:
-        return
-    if not isinstance(tools, list):
+    if tools is not None and not isinstance(tools, list):
         raise ValueError(f"{where}: tools must be a list of tool schemas, got {tools!r:.80}")
-    for j, tool in enumerate(tools):
+    for j, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(
@@ -203,8 +196,7 @@ def _check_tools(tools: Any, where: str) -> None:
 def load_datasets(
     files: list[str], split: str, cfg: DataConfig, max_rows: int | None = None
 ) -> list[list[dict[str, Any]]]:
-    """`load_rows` of each file, its first `max_rows`. Without the chat template every prompt
-    must be a string: checked at start-up, not by dropping every rollout later."""
+    """Each file's first `max_rows` rows; string prompts only without the chat template."""
     out = []
     for spec in files:
         rows = load_rows(spec, split, cfg.prompt_key, cfg.label_key)[:max_rows]
@@ -228,13 +220,10 @@ def load_eval_rows(cfg: DataConfig) -> list[dict[str, Any]]:
 
 
 class PromptSource:
-    """An endless stream of `(prompt_index, row)`, the index counting on across epochs.
-
-    Each dataset is read in a permutation of (seed, dataset, epoch), new every epoch when
-    `shuffle`, so the state is a few counters. With `weights`, each draw first picks a dataset
-    (a seeded generator), and each dataset wraps into its next epoch on its own; without, the
-    datasets are concatenated. Rows are handed out as stored: do not mutate them.
-    """
+    """An endless stream of `(prompt_index, row)`. Each dataset is read in a permutation of
+    (seed, dataset, epoch) when `shuffle`, so the state is a few counters. With `weights` (one
+    per dataset), each draw picks a dataset, each wrapping into its next epoch on its own;
+    without, the datasets are concatenated. Rows are handed out as stored: do not mutate them."""
 
     def __init__(
         self,
@@ -243,13 +232,9 @@ class PromptSource:
         shuffle: bool = True,
         seed: int = 0,
     ):
-        """`datasets`: non-empty lists of rows; `weights`: one per dataset, >= 0, positive sum
-        (validate_data_config)."""
         if weights is None:
             datasets = [[row for rows in datasets for row in rows]]
-            self.probs = None
-        else:
-            self.probs = np.asarray(weights, dtype=float) / sum(weights)
+        self.probs = None if weights is None else np.asarray(weights, dtype=float) / sum(weights)
         self.datasets = datasets
         self.shuffle, self.seed = shuffle, seed
         self._rng = np.random.default_rng(seed)  # which dataset each draw takes from
@@ -285,7 +270,6 @@ class PromptSource:
         return self._index - 1, row
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the counters and the dataset picker's generator state."""
         return {
             "index": self._index,
             "cursors": list(self._cursors),

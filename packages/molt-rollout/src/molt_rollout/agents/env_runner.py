@@ -4,6 +4,7 @@ tokenized on their own and masked from the loss."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -49,19 +50,15 @@ class EnvRunner(Runner):
         """The rollout's reward from the per-turn rewards; override for e.g. the last one."""
         return float(sum(rewards))
 
-    async def _rollout(self, row: dict, rollout_id: str, group_id: str, t0: float) -> Rollout:
-        episode = self._episode(row, rollout_id, group_id, t0)
-        return await within_deadline(episode, self.config.deadline_s)
+    async def _rollout(self, *args: Any) -> Rollout:  # row, rollout_id, group_id, t0
+        return await within_deadline(self._episode(*args), self.config.deadline_s)
 
-    async def _episode(
-        self, row: dict[str, Any], rollout_id: str, group_id: str, t0: float
-    ) -> Rollout:
+    async def _episode(self, row: dict, rollout_id: str, group_id: str, t0: float) -> Rollout:
         cfg = self.config
         messages, tools = row_messages(row), canonical_tools(row.get("tools"))
         prompt = self._render_prompt(row, messages, tools)
         if len(prompt.token_ids) >= cfg.max_len:
-            prompt_len = len(prompt.token_ids)
-            detail = f"{prompt_len} prompt tokens, max_len {cfg.max_len}"
+            detail = f"{len(prompt.token_ids)} prompt tokens, max_len {cfg.max_len}"
             raise RolloutDropped("prompt_too_long", detail)
         segment = Segment(temperature=cfg.temperature, top_p=cfg.top_p)
         segment.append_context(prompt.token_ids, prompt.images)
@@ -74,10 +71,8 @@ class EnvRunner(Runner):
         truncated = await self._turns(env, state, segments, results, timings)
         segments[-1].truncated = truncated
         rewards = [float(r.reward) for r in results]
-        info: dict[str, Any] = {}
-        for result in results:
-            info.update(result.info)
-        info = numeric_info(info) | {f"reward_turn_{i}": r for i, r in enumerate(rewards)}
+        info = numeric_info({k: v for result in results for k, v in result.info.items()})
+        info |= {f"reward_turn_{i}": r for i, r in enumerate(rewards)}
         info |= {"turns": float(len(rewards)), "truncated": float(truncated)}
         score = next((r.score for r in reversed(results) if r.score is not None), None)
         timings["total"] = time.monotonic() - t0
@@ -87,8 +82,7 @@ class EnvRunner(Runner):
     async def _turns(
         self, env: Env, state: EnvState, segments: list[Segment], results: list, timings: dict
     ) -> bool:
-        """Generate, step, observe, until the Env or a limit ends the episode, each step's
-        Result appended to `results`; whether the episode was cut short (truncated)."""
+        """Generate, step, observe until the Env or a limit ends it; whether it was truncated."""
         cfg, seg = self.config, segments[-1]
         generated, last = 0, Result(reward=0.0)  # the previous step's sampling overrides
         for turn in range(cfg.max_turns):
@@ -108,10 +102,9 @@ class EnvRunner(Runner):
             stop = list(last.stop or [])
             params = SamplingParams(max_tokens, temperature, cfg.top_p, stop, seg.routing_known)
             gen = await self._generate(seg, params, state.rollout_id, timings)
-            prefix_len = len(seg)
+            self._observe_reply(state, turn, gen, seg)  # before the reply joins `seg`
             seg.append_generation(gen, params.max_tokens)
             generated += len(gen.token_ids)
-            self._observe_reply(state, turn, gen, seg, prefix_len)
             last = check_result(await self._env_call(env.step(state), timings))
             results.append(last)
             if last.terminated or last.truncated:
@@ -127,9 +120,7 @@ class EnvRunner(Runner):
             state.transcript += self.tokenizer.decode(obs.token_ids)
         return False
 
-    def _render_prompt(
-        self, row: dict[str, Any], messages: list[dict], tools: list[dict] | None
-    ) -> ImagePrompt:
+    def _render_prompt(self, row: dict, messages: list, tools: list | None) -> ImagePrompt:
         if self.renderer is None:  # a base-model prompt: the text as the dataset wrote it
             if not isinstance(row["prompt"], str):
                 raise RolloutDropped(
@@ -140,9 +131,7 @@ class EnvRunner(Runner):
             text = self.renderer.render(messages, tools, True)
             images = message_images(messages, row.get("images"))
             return self._encode(text, images, "prompt")
-        except CaptureError as e:
-            raise RolloutDropped("bad_row", e.message) from e
-        except MediaError as e:
+        except (CaptureError, MediaError) as e:
             raise RolloutDropped("bad_row", str(e)) from e
 
     def _encode(self, text: str, images: list, where: str) -> ImagePrompt:
@@ -156,9 +145,7 @@ class EnvRunner(Runner):
     async def _new_env(self) -> Env:
         return self.make_env()  # a constructor that raises is the agent's failure
 
-    async def _generate(
-        self, seg: Segment, params: SamplingParams, session_id: str, timings: dict
-    ) -> Generation:
+    async def _generate(self, seg: Segment, params: SamplingParams, session_id: str, timings: dict):
         t = time.monotonic()
         # Images only when there are some: text-only generators take no such argument.
         extra = {"images": list(seg.images)} if seg.images else {}
@@ -170,10 +157,8 @@ class EnvRunner(Runner):
         finally:
             timings["generate"] += time.monotonic() - t
         if len(gen.token_ids) > params.max_tokens:
-            raise RolloutDropped(
-                "engine_error",
-                f"{len(gen.token_ids)} tokens generated for max_tokens={params.max_tokens}",
-            )
+            detail = f"{len(gen.token_ids)} tokens generated for max_tokens={params.max_tokens}"
+            raise RolloutDropped("engine_error", detail)
         return gen
 
     async def _env_call(self, awaitable, timings: dict) -> Any:
@@ -187,25 +172,20 @@ class EnvRunner(Runner):
         finally:
             timings["env"] += time.monotonic() - t
 
-    def _observe_reply(
-        self, state: EnvState, turn: int, gen: Generation, seg: Segment, prefix_len: int
-    ) -> None:
-        """Show the Env the reply: ids as sampled, text decoded for reading only."""
+    def _observe_reply(self, state: EnvState, turn: int, gen: Generation, seg: Segment) -> None:
+        """Show the Env the reply to `seg`: ids as sampled, text decoded for reading only."""
         state.turn = turn
         state.token_ids = list(gen.token_ids)
         state.finish_reason = gen.finish_reason
         state.text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        state.reply = Reply(content=state.text)
         if self.renderer is not None:
             stop = gen.stop_reason if isinstance(gen.stop_reason, str) else None
-            prefix = self.renderer.decode(seg.token_ids[:prefix_len])
-            try:
+            prefix = self.renderer.decode(seg.token_ids)
+            # Unparseable output is the model's answer (as plain text), not a runner failure.
+            with contextlib.suppress(Exception):
                 state.reply = self.renderer.parse(gen.token_ids, prefix, state.tools, stop)
-            except Exception:  # unparseable output is the model's answer, not a runner failure
-                state.reply = Reply(content=state.text)
-            state.messages.append(state.reply.as_message())
-        else:
-            state.reply = Reply(content=state.text)
-            state.messages.append({"role": "assistant", "content": state.text})
+        state.messages.append(state.reply.as_message())
         state.transcript += self.tokenizer.decode(gen.token_ids)
 
     def _observation(
@@ -222,15 +202,12 @@ class EnvRunner(Runner):
         try:
             before = self.renderer.render(_PROBE, tools, False)
             after = self.renderer.render(_PROBE + list(observation), tools, True)
-        except CaptureError as e:
-            raise RolloutDropped("bad_result", f"observation messages: {e.message}") from e
+            obs = self._encode(after[len(before) :], message_images(observation), "observation")
+        except (CaptureError, MediaError) as e:
+            raise RolloutDropped("bad_result", f"observation messages: {e}") from e
         if not after.startswith(before):
             raise RolloutDropped(
                 "bad_result", "the chat template re-renders earlier turns after the observation"
             )
         closing = self.renderer.missing_closing(gen.token_ids)
-        try:
-            obs = self._encode(after[len(before) :], message_images(observation), "observation")
-        except MediaError as e:
-            raise RolloutDropped("bad_result", str(e)) from e
         return ImagePrompt(closing + obs.token_ids, [i.shifted(len(closing)) for i in obs.images])

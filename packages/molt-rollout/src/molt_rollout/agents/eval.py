@@ -1,8 +1,5 @@
-"""Evaluation: a separate, non-streaming pass over the eval rows, and its pass@k metrics.
-
-A rollout is correct when its score (its reward when the score is None) reaches the threshold;
-a dropped rollout is a sample that failed.
-"""
+"""Evaluation: a separate, non-streaming pass over the eval rows, and its pass@k metrics. A
+rollout is correct when its score (else its reward) reaches the threshold; a dropped one is not."""
 
 from __future__ import annotations
 
@@ -56,14 +53,9 @@ def pass_ks(n: int) -> list[int]:
     return sorted({2**i for i in range(n.bit_length())} | {n})
 
 
-def is_correct(rollout: Any, threshold: float) -> bool:
-    return (rollout.reward if rollout.score is None else rollout.score) >= threshold
-
-
 def eval_metrics(results: list[GroupResult], threshold: float = 1.0) -> dict[str, float]:
     """`eval/<source>/<metric>` per `row["data_source"]` and `eval/<metric>` over all prompts:
-    pass@k (over the prompts with at least k samples), reward_mean (of the rollouts that
-    finished), num_prompts, dropped (rollouts)."""
+    pass@k (over prompts with >= k samples), reward_mean (finished rollouts), num_prompts, dropped."""
     by_source: dict[str, list[GroupResult]] = defaultdict(list)
     for result in results:
         by_source[str(result.task.row.get("data_source", "unknown"))].append(result)
@@ -76,11 +68,11 @@ def eval_metrics(results: list[GroupResult], threshold: float = 1.0) -> dict[str
 
 
 def _metrics(results: list[GroupResult], threshold: float, prefix: str) -> dict[str, float]:
+    def correct(x: Any) -> bool:
+        return (x.reward if x.score is None else x.score) >= threshold
+
     # Dropped rollouts are samples too: counting only the finished ones would reward failing.
-    samples = [
-        (len(r.rollouts) + len(r.dropped), sum(is_correct(x, threshold) for x in r.rollouts))
-        for r in results
-    ]
+    samples = [(len(r.rollouts) + len(r.dropped), sum(map(correct, r.rollouts))) for r in results]
     metrics = {}
     for k in pass_ks(max(n for n, _ in samples)):
         values = [pass_at_k(n, c, k) for n, c in samples if n >= k]
@@ -92,15 +84,11 @@ def _metrics(results: list[GroupResult], threshold: float, prefix: str) -> dict[
     return metrics
 
 
-def eval_tasks(rows: list[dict[str, Any]], cfg: EvalConfig) -> list[PromptTask]:
-    """One group of `n_samples` per eval row; negative prompt indices and `eval-<i>` ids never
-    collide with training prompts."""
-    rows = enumerate(rows[: cfg.max_prompts])
-    return [PromptTask(-1 - i, row, f"eval-{i}", cfg.n_samples, for_eval=True) for i, row in rows]
-
-
 def run_eval(rows: list[dict[str, Any]], launch: Launch, cfg: EvalConfig) -> list[GroupResult]:
-    """Launch every eval prompt at once and wait for all (the runners' deadlines bound the
-    wait); the runners and the engines queue what they cannot start yet."""
-    futures = [launch(task) for task in eval_tasks(rows, cfg)]
-    return [future.result() for future in futures]
+    """Launch a group per eval row at once and wait for all (the runners' deadlines bound it)."""
+    # Negative prompt indices and `eval-<i>` ids never collide with training prompts.
+    tasks = [
+        PromptTask(-1 - i, row, f"eval-{i}", cfg.n_samples, for_eval=True)
+        for i, row in enumerate(rows[: cfg.max_prompts])
+    ]
+    return [future.result() for future in [launch(task) for task in tasks]]

@@ -1,5 +1,4 @@
-"""Loading the researcher's agent module, by file path or dotted name, checked against the
-agent contract before anything runs: every problem named in one error."""
+"""Loading the agent module (file path or dotted name), checked before anything runs."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ class AgentLoadError(ValueError):
 
 
 def load_agent(path_or_module: str) -> type:
-    """The `AgentRunner` class of a module given by file path (`my_agent.py`) or dotted name
-    (`pkg.agent`), checked."""
+    """The checked `AgentRunner` class of `my_agent.py` or `pkg.agent`: every problem in one error."""
     module = _import(path_or_module)
     runner = getattr(module, "AgentRunner", None)
     if runner is None:

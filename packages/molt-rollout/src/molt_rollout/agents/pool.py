@@ -60,10 +60,6 @@ class Batch:
     dropped: dict[str, int]  # dropped rollouts by reason, since the previous batch
 
 
-def group_id(prompt_index: int, attempt: int) -> str:
-    return f"p{prompt_index}" if attempt == 0 else f"p{prompt_index}-r{attempt}"
-
-
 def trainable_versions(rollout: Rollout) -> Counter[int]:
     """How many trainable tokens of the rollout each weight version sampled."""
     counts: Counter[int] = Counter()
@@ -94,14 +90,12 @@ class RolloutPool:
         group_filter: Callable[[GroupResult], bool] | None = None,
     ):
         """B, n and the stale policy come from `rollout`; K = `max_inflight_groups`;
-        `max_staleness`: the most versions a trained token may lag (None: any);
-        `force_on_policy`: launch only inside `next_batch`."""
+        `max_staleness`: the most versions a trained token may lag (None: any)."""
         self.source, self.launch = source, launch
         self.batch_size, self.n = rollout.groups_per_batch, rollout.n_samples_per_prompt
-        self.stale_policy = rollout.stale_policy
+        self.stale_policy, self.group_filter = rollout.stale_policy, group_filter
         self.max_inflight, self.max_staleness = max_inflight_groups, max_staleness
         self.force_on_policy, self.min_rollouts = force_on_policy, min_rollouts_per_group
-        self.group_filter = group_filter
         self._cond = threading.Condition()  # guards every attribute below
         self._queue: deque[dict[str, Any]] = deque()  # prompts launched before the source's
         self._pending: dict[str, PromptTask] = {}  # taken for launch, not come back yet
@@ -142,8 +136,7 @@ class RolloutPool:
             self._cond.notify_all()
 
     def interrupt(self, error: BaseException) -> None:
-        """`next_batch` raises `error` once, now or at its next call; the pool keeps running (a
-        restarted engine waits for the trainer's weights)."""
+        """`next_batch` raises `error` once, now or at its next call; the pool keeps running."""
         with self._cond:
             self._interrupt = error
             self._cond.notify_all()
@@ -157,10 +150,9 @@ class RolloutPool:
     # ---- the trainer's side -----------------------------------------------------------------
 
     def next_batch(self, version: int, timeout_s: float | None = None) -> Batch:
-        """Block until B finished groups pass the staleness check for `version`, the weight
-        version the batch will train from; hand them out by prompt index. Raises TimeoutError
-        after `timeout_s`, StopIteration when the source ran out, RuntimeError when the pool
-        stopped on an error, and the error given to `fail` or `interrupt` as it is."""
+        """B finished groups fresh enough for `version` (the batch's weights), by prompt index.
+        Raises TimeoutError, StopIteration (the source ran out), RuntimeError (the pool stopped
+        on an error), or the error given to `fail` or `interrupt` as it is."""
         t0 = time.monotonic()
         with self._cond:
             if not self._started or self._closed:
@@ -178,11 +170,7 @@ class RolloutPool:
                             f"flight, {len(self._queue)} queued"
                         )
                     self._cond.wait(remaining)
-                capacity = self.batch_size if self.force_on_policy else self._want
-                occupancy = (len(self._pending) + len(self._finished)) / capacity
-                taken = self._finished[: self.batch_size]
-                del self._finished[: self.batch_size]
-                batch = self._assemble(taken, version, time.monotonic() - t0, occupancy)
+                batch = self._assemble(version, time.monotonic() - t0)
             finally:
                 if self.force_on_policy:
                     self._want = 0  # nothing generates while the trainer trains
@@ -214,12 +202,12 @@ class RolloutPool:
         """The source's state and every prompt taken from it and not handed out (JSON-able)."""
         with self._cond:
             tasks = list(self._pending.values()) + [f.result.task for f in self._finished]
+            outstanding = [_entry(t, t.attempt) for t in tasks]
             source, queued = self.source.state_dict(), list(self._queue)
-            return {"source": source, "outstanding": [_entry(t) for t in tasks], "queued": queued}
+            return {"source": source, "outstanding": outstanding, "queued": queued}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Before start(): the source, and the saved prompts first in line, so every prompt is
-        trained exactly once."""
+        """Before start(): the source, and the saved prompts first in line (each trained once)."""
         with self._cond:
             if self._started:
                 raise RuntimeError("load_state_dict() must be called before start()")
@@ -260,16 +248,16 @@ class RolloutPool:
         else:
             try:
                 index, row = self.source.next()
-            except StopIteration:
-                self._source_done = True
+            except Exception as e:  # StopIteration: the source ran out
+                if isinstance(e, StopIteration):
+                    self._source_done = True
+                else:
+                    self._error = e
                 self._cond.notify_all()  # a waiting next_batch may now know it cannot finish
                 return None
-            except Exception as e:
-                self._error = e
-                self._cond.notify_all()
-                return None
             attempt = 0
-        task = PromptTask(index, row, group_id(index, attempt), self.n, attempt)
+        group = f"p{index}" if attempt == 0 else f"p{index}-r{attempt}"
+        task = PromptTask(index, row, group, self.n, attempt)
         self._pending[task.group_id] = task
         return task
 
@@ -336,11 +324,9 @@ class RolloutPool:
         keep, requeue = [], []
         for f in self._finished:
             versions = {v for c in f.versions for v in c}
-            if self.force_on_policy:
-                stale = any(v != version for v in versions)
-            else:
-                bound = self.max_staleness
-                stale = bound is not None and version - min(versions, default=version) > bound
+            bound = self.max_staleness
+            lagging = bound is not None and version - min(versions, default=version) > bound
+            stale = any(v != version for v in versions) if self.force_on_policy else lagging
             if not stale:
                 keep.append(f)
             elif self.force_on_policy or self.stale_policy == "requeue":
@@ -355,9 +341,9 @@ class RolloutPool:
             self._queue.appendleft(_entry(t, t.attempt + 1))
         self._cond.notify_all()
 
-    def _assemble(
-        self, taken: list[_Finished], version: int, wait_s: float, occupancy: float
-    ) -> Batch:
+    def _assemble(self, version: int, wait_s: float) -> Batch:
+        occupancy = (len(self._pending) + len(self._finished)) / self._want
+        taken, self._finished = self._finished[: self.batch_size], self._finished[self.batch_size :]
         lags: Counter[int] = Counter()  # trainable tokens by version lag
         rollouts = [counts for f in taken for counts in f.versions]
         for counts in rollouts:
@@ -380,6 +366,5 @@ class RolloutPool:
         return Batch(groups, metrics, dropped)
 
 
-def _entry(task: PromptTask, attempt: int | None = None) -> dict[str, Any]:
-    attempt = task.attempt if attempt is None else attempt
+def _entry(task: PromptTask, attempt: int) -> dict[str, Any]:
     return {"prompt_index": task.prompt_index, "row": task.row, "attempt": attempt}

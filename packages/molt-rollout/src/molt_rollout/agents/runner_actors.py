@@ -1,6 +1,5 @@
-"""Agent-runner processes: Ray actors running many prompt groups concurrently on their event
-loops. Each imports the agent module as it is created (overlapping the engines' start-up) and
-dials the router in `connect`; `RunnerActors.launch` is the pool's launcher."""
+"""Agent-runner processes: Ray actors running many prompt groups concurrently, each importing the
+agent module as it is created (overlapping the engines' start-up); `launch` feeds the pool."""
 
 from __future__ import annotations
 
@@ -23,17 +22,17 @@ from molt_rollout.network import check_reachable
 class RunnerActor:
     """The body of one runner actor (a plain class, testable without Ray)."""
 
-    def __init__(self, agent: str, model: str, text: tuple, settings: tuple, client: dict) -> None:
-        """Everything that needs no engine. `text`: `model`'s tokenizer and image encoder (None:
-        text only), loaded by the driver; `settings`: the rollout config, the eval's (or None)
-        and apply_chat_template; `client`: the TokenClient's keyword arguments."""
+    def __init__(self, agent: str, text: tuple, settings: tuple, client: dict) -> None:
+        """`text`: the tokenizer and image encoder (None: text only), loaded by the driver;
+        `settings`: the rollout config, the eval's (or None) and apply_chat_template; `client`:
+        the TokenClient's keyword arguments."""
         self.runner_class = load_agent(agent)
-        self.model, self.text, self.client_args = model, text, client
+        self.text, self.client_args = text, client
         self.rollout, self.eval_rollout, self.apply_chat_template = settings
 
     def connect(self, router_url: str) -> None:
         check_reachable(router_url, "an agent runner dialling the router")
-        self.client = TokenClient(router_url, self.model, **self.client_args)
+        self.client = TokenClient(router_url, **self.client_args)
         tokenizer, image_encoder = self.text
         # A multimodal model's processor, passed only then: text-only runners are unchanged.
         extra = {} if image_encoder is None else {"image_encoder": image_encoder}
@@ -73,16 +72,12 @@ class RunnerActors:
         adapter: str | None = None,
         token: str | None = None,
     ) -> None:
-        """`adapter`: the engines serve each version as a LoRA adapter of that prefix (both agent
-        forms: the capture server generates through the token client). `token`: the run's."""
+        """`adapter`: the engines serve each version as a LoRA adapter of that prefix."""
         # On the driver's node, the router's: it listens on loopback there (engines/router.py).
         node = ray.get_runtime_context().get_node_id()
         placement = NodeAffinitySchedulingStrategy(node, soft=False)
-        actor = ray.remote(
-            num_cpus=cfg.cpus_per_runner,
-            max_concurrency=cfg.max_concurrent_groups,
-            scheduling_strategy=placement,
-        )(RunnerActor)
+        options = {"num_cpus": cfg.cpus_per_runner, "max_concurrency": cfg.max_concurrent_groups}
+        actor = ray.remote(**options, scheduling_strategy=placement)(RunnerActor)
         # Loaded here once, not in each actor: AutoTokenizer's imports cost a runner process
         # seconds of CPU, more than unpickling its result (docs/performance.md, start-up).
         from transformers import AutoTokenizer
@@ -92,17 +87,14 @@ class RunnerActors:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         text = ray.put((self.tokenizer, load_image_encoder(model)))
         settings = (cfg, eval_rollout, apply_chat_template)
-        client = {"timeout_s": request_timeout_s, "max_retries": max_retries, "token": token}
-        client |= {"top_logprobs": cfg.top_logprobs, "adapter": adapter}
+        client = {"model": model, "timeout_s": request_timeout_s, "max_retries": max_retries}
+        client |= {"top_logprobs": cfg.top_logprobs, "adapter": adapter, "token": token}
         self.cfg = cfg
-        self.actors = [
-            actor.remote(agent, model, text, settings, client) for _ in range(cfg.num_runners)
-        ]
+        self.actors = [actor.remote(agent, text, settings, client) for _ in range(cfg.num_runners)]
         self._next = itertools.cycle(self.actors)
 
     def connect(self, router_url: str) -> RunnerActors:
-        """Every runner's client to the router; returns self. A bad agent module surfaces here,
-        and actors the driver's node cannot place fail naming the flags."""
+        """Every runner's client to the router; returns self. A bad agent module surfaces here."""
         cfg = self.cfg
         connected = [a.connect.remote(router_url) for a in self.actors]
         try:
@@ -120,8 +112,7 @@ class RunnerActors:
         return self
 
     def tell_version(self, version: int) -> None:
-        """Every engine serves `version` now (TokenClient.tell_version). Not waited for: a
-        request sent before it arrives is checked by the client's race rule."""
+        """Every engine serves `version` now; not waited for (the client's race rule covers it)."""
         for actor in self.actors:
             actor.tell_version.remote(version)
 

@@ -1,8 +1,6 @@
 """The token client: molt-capture's generator contract against vLLM's token-in/token-out API,
-through the router with the rollout's session id (one engine per rollout), retrying transient
-errors. Each request salts the prefix cache with the weight version it read, and is sent again
-when a refit lands before its prefill. See docs/concepts/rollout.md.
-"""
+through the router, sticky on the rollout's session. A request salts the prefix cache with the
+weight version it read, and is sent again when a refit lands before its prefill."""
 
 import asyncio
 import base64
@@ -18,13 +16,13 @@ from molt_capture.media import ImageInput
 from molt_capture.types import Generation, SamplingParams
 from molt_rollout.config import adapter_name
 from molt_rollout.network import Network
+from molt_rollout.refit.weight_versions import GENERATE_PATH
 
 # The header vllm-router's sticky policy keys a rollout's requests on (here: a client imports
 # no Ray).
 SESSION_HEADER = "x-session-id"
 FINAL_ONLY = 2  # vllm.sampling_params.RequestOutputKind.FINAL_ONLY (no vLLM import in runners)
 
-GENERATE_PATH = "/inference/v1/generate"
 MAX_VERSION_RACES = 2
 INITIAL_VERSION = "default"  # what vLLM reports before any refit: Molt's version 0
 
@@ -33,12 +31,8 @@ class GenerationError(RuntimeError):
     """A generate call failed for good: a 4xx, a malformed reply, or retries exhausted."""
 
 
-class EngineRefusal(GenerationError, ParamRejected):
+class EngineRefusal(ParamRejected, GenerationError):
     """The engine refused a sampling parameter: the agent gets a 400 naming it, not a 5xx."""
-
-    def __init__(self, param: str, message: str):
-        GenerationError.__init__(self, message)
-        self.param, self.message = param, message
 
 
 _SAMPLING_FIELDS = ("stop", "temperature", "top_p", "max_tokens")
@@ -154,9 +148,8 @@ def check_placeholders(
 
 
 def image_features(images: list[ImageInput]) -> dict:
-    """The `features` of vLLM's token route for processed images: per image its tensors as a
-    serialized MultiModalKwargsItem (laid out as vLLM's Idefics3 processor lays them), its
-    content hash (the prefix cache's key) and its placeholder run, image tokens alone."""
+    """The `features` of vLLM's token route for processed images: per image its tensors (as
+    vLLM's Idefics3 processor lays them out), content hash and placeholder run."""
     import torch
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem
@@ -170,12 +163,11 @@ def image_features(images: list[ImageInput]) -> dict:
         batched = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         elems["num_patches"] = batched.build_elems("num_patches", tiles)[0]
         items.append(encode_mm_kwargs_item(MultiModalKwargsItem(elems)))
+    placeholders = [{"offset": image.offset, "length": image.length} for image in images]
     return {
         "mm_hashes": {"image": [image.mm_hash for image in images]},
         "kwargs_data": {"image": items},
-        "mm_placeholders": {
-            "image": [{"offset": image.offset, "length": image.length} for image in images]
-        },
+        "mm_placeholders": {"image": placeholders},
     }
 
 

@@ -35,16 +35,8 @@ class EngineError(RuntimeError):
     """An engine failed to start, died, or stopped answering; the message has its log tail."""
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    if not path.exists():
-        return "(no log)"
-    with path.open(errors="replace") as f:
-        return "".join(deque(f, maxlen=lines))
-
-
 class ServerProcess:
-    """A server process tied to its owner by the lifeline, logging to `log_path`: what an engine
-    and the router share."""
+    """A server process tied to its owner by the lifeline: what an engine and the router share."""
 
     name: str
     log_path: Path
@@ -52,13 +44,16 @@ class ServerProcess:
     url = ""
 
     def exit_error(self) -> EngineError | None:
-        """The EngineError of a server that exited (with its log tail); None while it runs."""
         if self.process is None or self.process.poll() is None:
             return None
-        return EngineError(
-            f"{self.name} ({self.url}) exited with code {self.process.returncode}; "
-            f"last log lines of {self.log_path}:\n{log_tail(self.log_path)}"
-        )
+        return self._error(f"({self.url}) exited with code {self.process.returncode}")
+
+    def _error(self, what: str) -> EngineError:
+        tail = "(no log)"
+        if self.log_path.exists():
+            with self.log_path.open(errors="replace") as f:
+                tail = "".join(deque(f, maxlen=LOG_TAIL_LINES))
+        return EngineError(f"{self.name} {what}; last log lines of {self.log_path}:\n{tail}")
 
     def wait_ready(self, timeout_s: float, flag: str) -> None:
         """Until /health answers; EngineError if the server exits, or after `timeout_s`."""
@@ -72,10 +67,7 @@ class ServerProcess:
                         return
                 time.sleep(0.25)
         self.stop()
-        raise EngineError(
-            f"{self.name} not ready after {timeout_s:.0f} s ({flag}); last log lines of "
-            f"{self.log_path}:\n{log_tail(self.log_path)}"
-        )
+        raise self._error(f"not ready after {timeout_s:.0f} s ({flag})")
 
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
@@ -84,11 +76,6 @@ class ServerProcess:
         """The server and its children (one process group)."""
         if self.process is not None:
             lifeline.stop(self.process)
-
-
-def engine_memory_share(vllm: VLLMConfig) -> float:
-    """One engine's --gpu-memory-utilization: vLLM's is per server process, Molt's per GPU."""
-    return (vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) / vllm.engines_per_gpu
 
 
 def server_args(
@@ -108,6 +95,8 @@ def server_args(
     if token_check:
         args += ["--middleware", "molt_rollout.refit.auth.RequireToken"]
     mtp = {"method": "mtp", "num_speculative_tokens": vllm.mtp_num_speculative_tokens}
+    # vLLM's memory share is per server process, Molt's per GPU.
+    memory_share = (vllm.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) / vllm.engines_per_gpu
     flags = {  # True: the flag alone; None or False: left out
         "--model": model,
         "--host": host,
@@ -117,7 +106,7 @@ def server_args(
         "--tensor-parallel-size": vllm.tensor_parallel_size,
         "--data-parallel-size": vllm.data_parallel_size,
         "--dtype": vllm.dtype,
-        "--gpu-memory-utilization": engine_memory_share(vllm),
+        "--gpu-memory-utilization": memory_share,
         "--enable-prefix-caching": vllm.enable_prefix_caching,
         "--no-enable-prefix-caching": not vllm.enable_prefix_caching,
         "--enable-expert-parallel": vllm.enable_expert_parallel,
@@ -129,10 +118,8 @@ def server_args(
         "--enable-return-routed-experts": vllm.enable_return_routed_experts,
     }
     for flag, value in flags.items():
-        if value is True:
-            args.append(flag)
-        elif value is not None and value is not False:
-            args += [flag, str(value)]
+        if value is not None and value is not False:
+            args += [flag] if value is True else [flag, str(value)]
     if adapters is not None:
         args += adapters.server_args()
     return args + list(vllm.extra_args)
@@ -152,26 +139,21 @@ class EngineServer(ServerProcess):
         adapters: AdapterServing | None = None,
         network: Network = SINGLE_NODE,
     ) -> None:
-        """`adapters`: for the adapter refit; `network`: where it listens, and the token."""
         self.cfg, self.model, self.adapters = cfg, model, adapters
         self.transfer_backend, self.on_gpu, self.network = transfer_backend, on_gpu, network
         self.name, self.log_path = f"engine {index}", Path(log_dir) / f"engine_{index}.log"
 
     def start(self) -> str:
-        """Spawn the server and wait until /health answers; returns its base URL."""
         host = self.network.host()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
         command = [sys.executable, "-m", GPU_SERVER if self.on_gpu else CPU_SERVER]
-        token_check = bool(self.network.token)
-        command += server_args(
-            self.cfg, self.model, port, self.transfer_backend, self.adapters, host, token_check
-        )
+        args = (self.cfg, self.model, port, self.transfer_backend, self.adapters, host)
+        command += server_args(*args, token_check=bool(self.network.token))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Appended to: a restarted engine's log keeps the lines of the death that caused it.
         with self.log_path.open("a") as log:
-            log.write(" ".join(command) + "\n")
-            log.flush()
+            print(" ".join(command), file=log, flush=True)
             # Tied to this actor's process: a killed driver (and so actor) leaves no server.
             env = self._env()
             self.process = lifeline.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -193,12 +175,6 @@ class EngineServer(ServerProcess):
         if self.adapters is not None:
             env.update(self.adapters.server_env())
         return env
-
-    def restart(self) -> str:
-        """A new server in place of a dead one (its process group ended first); its new URL.
-        It holds the model's initial weights until the trainer refits it."""
-        self.stop()
-        return self.start()
 
 
 EngineActor = ray.remote(num_cpus=0)(EngineServer)
@@ -258,11 +234,8 @@ class EngineGroup:
         bundle = i // cfg.engines_per_gpu
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)
         share = (1.0 if own else COLOCATED_GPU_SHARE) / cfg.engines_per_gpu
-        return {
-            "num_gpus": share,
-            "resources": resources if own else {},
-            "scheduling_strategy": strategy,
-        }
+        options = {"num_gpus": share, "resources": resources if own else {}}
+        return {**options, "scheduling_strategy": strategy}
 
     def start(self) -> list[str]:
         """All engines; those sharing a GPU one after the other: vLLM sizes its KV cache from
@@ -284,10 +257,12 @@ class EngineGroup:
         return {i: e for i, e in enumerate(errors) if e is not None}
 
     def restart(self, index: int) -> str:
-        """Engine `index` on a new server; its new URL (also in `urls`)."""
-        url = ray.get(self.actors[index].restart.remote(), timeout=self.cfg.startup_timeout_s + 30)
-        self.urls[index] = url
-        return url
+        """Engine `index` on a new server (the old one's process group ended first), with the
+        model's initial weights until the trainer refits it; its new URL (also in `urls`)."""
+        actor = self.actors[index]
+        actor.stop.remote()  # an actor runs its calls in order
+        self.urls[index] = ray.get(actor.start.remote(), timeout=self.cfg.startup_timeout_s + 30)
+        return self.urls[index]
 
     def pids(self) -> list[int | None]:
         return ray.get([a.pid.remote() for a in self.actors], timeout=30)

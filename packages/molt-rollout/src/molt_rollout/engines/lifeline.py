@@ -1,7 +1,6 @@
 """Server processes that end with their owner, however it ends: `spawn` runs a command under a
-lifeline process (`python -m molt_rollout.engines.lifeline`) that ends the command's process
-group when the owner is gone or asks; `reap_descendants` kills what is left of a dead driver's
-process tree."""
+lifeline process that ends the command's process group when the owner is gone or asks;
+`reap_descendants` kills what is left of a dead driver's process tree."""
 
 from __future__ import annotations
 
@@ -104,14 +103,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--reap":
         return _reap(int(argv[1]))
     owner, grace_s, command = int(argv[0]), float(argv[1]), argv[3:]
-    stopping = False
-
-    def on_signal(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping: list[int] = []  # the signal that asked for a stop, if one did
+    for asking in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(asking, lambda signum, frame: stopping.append(signum))
     child = subprocess.Popen(command, preexec_fn=end_with_parent)  # inherits this group
     while child.poll() is None and not stopping and _alive(owner):
         time.sleep(POLL_S)

@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 from molt_rollout.config import RouterConfig
 from molt_rollout.engines import lifeline
 from molt_rollout.engines.engine import EngineError, ServerProcess
 from molt_rollout.network import LOOPBACK, SINGLE_NODE, Network, check_reachable, free_port
+from molt_rollout.refit.control import EngineControl, RefitError
 
 
 class Router(ServerProcess):
@@ -59,13 +58,7 @@ class Router(ServerProcess):
         self._manage("/remove_worker", url)
 
     def _manage(self, path: str, url: str) -> None:
-        headers = self.network.headers()
         try:
-            response = httpx.post(
-                f"{self.url}{path}", params={"url": url}, timeout=30.0, headers=headers
-            )
-        except httpx.HTTPError as error:
-            raise EngineError(f"router {path} {url} failed: {error!r}") from error
-        if response.status_code >= 400:
-            status, text = response.status_code, response.text[:500]
-            raise EngineError(f"router {path} {url} answered {status}: {text}")
+            EngineControl(self.url, 30.0, self.network.token).post(path, url=url)
+        except RefitError as error:
+            raise EngineError(f"router {path} {url}: {error}") from error

@@ -5,8 +5,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
 from molt_rollout.engines.client import TokenClient
 from molt_rollout.engines.engine import EngineError, EngineGroup
@@ -46,16 +44,14 @@ class RolloutService:
         router: RouterConfig,
         refit: RefitConfig,
         log_dir: str,
-        on_gpu: bool | None = None,
+        on_gpu: bool,
         with_refitter: bool = True,
         placement=None,
         adapters: AdapterServing | None = None,
         network: Network = SINGLE_NODE,
     ) -> "RolloutService":
-        """Engines (Ray initialised), router, then, `with_refitter`, this process's refit
-        rendezvous; the engines hold version 0. A trainer refitting from its own process builds
-        its Refitter from `engine_urls` and `workers_per_engine`."""
-        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        """Engines (Ray initialised), router and, `with_refitter`, this process's refit rendezvous
+        (else the trainer builds its Refitter); the engines hold version 0."""
         backend = transfer_backend(refit, on_gpu, colocated=placement is not None)
         engines = EngineGroup(vllm, model, backend, log_dir, on_gpu, placement, adapters, network)
         urls = engines.start()
@@ -74,17 +70,14 @@ class RolloutService:
         return cls(model, vllm, engines, router_process, urls, workers, refitter, adapters, network)
 
     def watch(
-        self,
-        on_failure: Callable[[EngineError], None],
-        on_restart: Callable[[], None] = lambda: None,
-        every_s: float = 2.0,
+        self, on_failure: Callable[[EngineError], None], on_restart: Callable[[], None]
     ) -> None:
-        """Check the engines every `every_s` seconds on a daemon thread: a dead one is restarted
-        and `on_restart` called (the trainer then `rejoin`s it); one that cannot be ends the
-        watch with `on_failure(error)`."""
+        """Check the engines every 2 s on a daemon thread: a dead one is restarted and
+        `on_restart` called (the trainer then `rejoin`s it); one that cannot be ends the watch
+        with `on_failure(error)`."""
 
         def loop() -> None:
-            while not self._stopped.wait(every_s):
+            while not self._stopped.wait(2.0):
                 try:
                     if self.restart_dead():
                         on_restart()

@@ -1,9 +1,6 @@
 """Adapter refit (`--actor.lora.refit adapter`): the engines serve the base model plus one LoRA
-adapter per weight version; every engine loads a version's adapter before any reports it, and
-keeps the newest `keep`. No pause: a request names its version's adapter. A retired version's
-files become links to one zeroed adapter, so a request still holding its path finds a valid
-one. See docs/concepts/refit.md.
-"""
+adapter per weight version, the newest `keep`; no pause: a request names its version's adapter.
+A retired version's files become links to one zeroed adapter (docs/concepts/refit.md)."""
 
 from __future__ import annotations
 
@@ -74,22 +71,19 @@ class AdapterRefitter(EngineSet):
     def __init__(
         self, engine_urls: list[str], cfg: RefitConfig, serving: AdapterServing, token=None
     ) -> None:
-        """`token`: the run's (molt_rollout.network). The engines read the adapter directories:
-        across nodes, from a filesystem they share."""
+        """The engines read the adapter directories: across nodes, from a filesystem they share."""
         super().__init__([EngineControl(url, cfg.timeout_s, token) for url in engine_urls], cfg)
         self.serving, self.token = serving, token
         self.kept: list[tuple[int, str]] = []  # (version, directory) in the window, oldest first
         self.retired: Path | None = None  # what a retired version's files become (docstring)
-        self.loaded: dict[str, set[str]] = {}  # engine URL -> the adapter names it holds
-        self.set_engines(engine_urls)
+        # engine URL -> the adapter names it holds
+        self.loaded: dict[str, set[str]] = {url: set() for url in engine_urls}
 
     def set_engines(self, engine_urls: list[str]) -> None:
         """The engines to serve (after a restart, the next `refit` loads the new one's)."""
         known = {engine.url: engine for engine in self.engines}
-        timeout_s = self.cfg.timeout_s
-        self.engines = [
-            known.get(u) or EngineControl(u, timeout_s, self.token) for u in engine_urls
-        ]
+        token, timeout_s = self.token, self.cfg.timeout_s
+        self.engines = [known.get(u) or EngineControl(u, timeout_s, token) for u in engine_urls]
         self.loaded = {url: self.loaded.get(url, set()) for url in engine_urls}
 
     def refit(self, version: int, path: str) -> dict[str, float]:
@@ -143,6 +137,3 @@ class AdapterRefitter(EngineSet):
             except OSError:  # a file system without hard links: a copy, the adapter's size
                 shutil.copyfile(file, link)
             os.replace(link, Path(path) / file.name)
-
-    def release(self) -> None:
-        """Nothing to end on the engines (no transfer group): see `set_engines`."""

@@ -4,9 +4,15 @@ import json
 
 
 async def reply_json(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    headers = [(b"content-type", b"application/json")]
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    await reply(send, start, json.dumps(payload).encode())
+
+
+async def reply(send, start: dict, body: bytes) -> None:
+    """A response: `start` (its content-length set to the body's), then the body."""
+    headers = [h for h in start.get("headers", []) if h[0].lower() != b"content-length"]
+    await send({**start, "headers": [*headers, (b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
 
 

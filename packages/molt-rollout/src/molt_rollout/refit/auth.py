@@ -1,8 +1,6 @@
-"""The token check of an engine reachable from other nodes (molt_rollout.network), a vLLM server
-middleware. vLLM's `--api-key` guards only its `/v1`, `/v2` and `/inference` routes, not the RL
-control routes dev mode mounts (`/pause`, `/update_weights`, ...): this asks for the token on
-every path but `/health`, which the readiness and liveness probes use.
-"""
+"""The token check of an engine reachable from other nodes, a vLLM server middleware: vLLM's
+`--api-key` guards not the RL control routes dev mode mounts (`/pause`, `/update_weights`, ...);
+this asks for the token on every path but `/health`, the probes'."""
 
 import hmac
 import os

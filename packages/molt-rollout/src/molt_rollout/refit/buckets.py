@@ -1,8 +1,6 @@
-"""Weight buckets: many (name, tensor) pairs as one flat byte buffer, and back, so a refit ships
-a bucket of about `bucket_bytes` per transfer, never a call per tensor. Tensors lie in metadata
-order, each in its wire dtype (its own, or the bucket's `dtype`, cast while packing) at a
-multiple of ALIGN bytes, so the receiver views each in place.
-"""
+"""Weight buckets: many (name, tensor) pairs as one flat byte buffer and back, so a refit makes
+one transfer per bucket, not per tensor. Each tensor lies in its wire dtype at a multiple of
+ALIGN bytes, so the receiver views it in place."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field

@@ -1,9 +1,6 @@
-"""Refit: new trainer weights into every engine through vLLM's weight-transfer protocol, all
-engines at once: pause (requests kept with their KV), start_weight_update, one update_weights
-per bucket (the next bucket packed while the engines load this one), finish_weight_update
-(version), resume. Every call and collective has a timeout that raises RefitError. The wire:
-gloo on CPU, NCCL to other GPUs, CUDA IPC to the trainer's own GPU. See docs/concepts/refit.md.
-"""
+"""Refit through vLLM's weight-transfer protocol, all engines at once: pause, start, one
+update_weights per bucket (the next packed while the engines load this one), finish (version),
+resume; each call within --refit.timeout_s. See docs/concepts/refit.md."""
 
 import contextlib
 import itertools
@@ -32,7 +29,7 @@ class RefitError(RuntimeError):
 
 
 class EngineControl:
-    """One engine's RL control endpoints (mounted by VLLM_SERVER_DEV_MODE=1)."""
+    """One engine's RL control endpoints (mounted by VLLM_SERVER_DEV_MODE=1), or the router's."""
 
     def __init__(self, url: str, timeout_s: float, token: str | None = None) -> None:
         self.url = url
@@ -57,17 +54,16 @@ class EngineControl:
 
 
 class Rendezvous:
-    """A transport whose group the trainer (rank 0) hosts at `address`, `port`."""
-
-    address: str
-    port: int
-    world_size: int
-    init_fields: dict
+    """A transport whose group the trainer (rank 0) hosts at `address`, `port`; `init_fields`
+    go to every worker's init, `update_fields` with every bucket."""
 
     def worker_init_info(self, rank_offset: int) -> dict:
         where = {"master_address": self.address, "master_port": self.port}
         group = {"rank_offset": rank_offset, "world_size": self.world_size}
         return {**where, **group, **self.init_fields}
+
+    def bucket_fields(self, tensors: list[torch.Tensor], index: int, dtype) -> dict:
+        return self.update_fields
 
 
 class GlooTransport(Rendezvous):
@@ -75,21 +71,18 @@ class GlooTransport(Rendezvous):
 
     backend = "molt_gloo"
 
-    def __init__(self, world_size: int, timeout_s: float, address: str) -> None:
-        self.world_size, self.timeout = world_size, timedelta(seconds=timeout_s)
+    def __init__(self, world_size: int, cfg: RefitConfig, address: str) -> None:
+        self.world_size, self.timeout = world_size, timedelta(seconds=cfg.timeout_s)
         # Port 0: the store binds a free port itself; one picked first could be taken meanwhile.
         self.store = dist.TCPStore(
             address, 0, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
         self.address, self.port = address, self.store.port
-        self.init_fields = {"timeout_s": timeout_s}
+        self.init_fields, self.update_fields = {"timeout_s": cfg.timeout_s}, {}
         self.group: dist.ProcessGroup | None = None
 
     def connect(self) -> None:
         self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
-
-    def bucket_fields(self, tensors: list[torch.Tensor], index: int, dtype) -> dict:
-        return {}
 
     def send(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         self.group.broadcast(pack(tensors, dtype=dtype), 0).wait()
@@ -100,17 +93,14 @@ class NcclTransport(Rendezvous):
 
     backend = "nccl"
 
-    def __init__(self, world_size: int, timeout_s: float, bucket_bytes: int, address: str) -> None:
-        self.world_size, self.bucket_bytes, self.address = world_size, bucket_bytes, address
-        self.timeout_s = timeout_s
+    def __init__(self, world_size: int, cfg: RefitConfig, address: str) -> None:
+        self.world_size, self.bucket_bytes, self.address = world_size, cfg.bucket_mb << 20, address
+        self.timeout_s = cfg.timeout_s
         # The store listens on a socket bound now, as the gloo store does.
         self.listener = socket.create_server((address, 0))
         self.port = self.listener.getsockname()[1]
         self.group = None
-        self.init_fields, self.update_fields = nccl_packed_fields(bucket_bytes)
-
-    def bucket_fields(self, tensors: list[torch.Tensor], index: int, dtype) -> dict:
-        return self.update_fields
+        self.init_fields, self.update_fields = nccl_packed_fields(self.bucket_bytes)
 
     def connect(self) -> None:
         """vLLM's trainer side of the group (nccl_common.trainer_init), on the bound socket."""
@@ -209,11 +199,9 @@ class Refitter(EngineSet):
         backend = transfer_backend(cfg, on_gpu, colocated)
         if backend == IpcTransport.backend:
             self.transport = IpcTransport()
-        elif backend == NcclTransport.backend:
-            bucket_bytes = cfg.bucket_mb << 20
-            self.transport = NcclTransport(world_size, cfg.timeout_s, bucket_bytes, network.host())
         else:
-            self.transport = GlooTransport(world_size, cfg.timeout_s, network.host())
+            kind = NcclTransport if backend == NcclTransport.backend else GlooTransport
+            self.transport = kind(world_size, cfg, network.host())
         self.last_unupdated: list[str] = []  # with --refit.report_unupdated: the last refit's
 
     def init_transfer(self) -> None:
@@ -360,7 +348,6 @@ def set_sleeping(
 
 
 def transfer_backend(cfg: RefitConfig, on_gpu: bool, colocated: bool = False) -> str:
-    """auto: CUDA IPC to engines on the trainer's GPUs, NCCL to others, gloo on CPU."""
     if cfg.backend != "auto":
         return cfg.backend
     if not on_gpu:

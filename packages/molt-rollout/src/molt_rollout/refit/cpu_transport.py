@@ -1,7 +1,5 @@
-"""Molt's CPU weight-transfer backend (engine side), `--weight-transfer-config '{"backend":
-"molt_gloo"}'`: vLLM's NCCL backend mirrored over a gloo group, so the same refit runs on CPU
-engines. The trainer side is control.GlooTransport.
-"""
+"""Molt's CPU weight-transfer backend, engine side (`molt_gloo`): vLLM's NCCL backend mirrored
+over a gloo group, so the same refit runs on CPU engines (trainer side: control.GlooTransport)."""
 
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,8 +14,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from molt_rollout.refit.buckets import BucketMeta, unpack
-
-BACKEND = "molt_gloo"
 
 
 @dataclass
@@ -41,9 +37,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
 
-    def __init__(self, config, vllm_config, device, model) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | None = None  # set by init_transfer_engine
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -65,8 +59,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("molt_gloo weight transfer is not initialised")
         buffer = torch.empty(update_info.numbytes(), dtype=torch.uint8)
         self.group.broadcast(buffer, 0).wait()
         self.model.load_weights(unpack(buffer, update_info))

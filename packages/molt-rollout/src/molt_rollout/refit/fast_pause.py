@@ -1,8 +1,7 @@
 """`POST /pause` without vLLM's fixed 20 ms wait, plus `keep_kv=true`: a middleware in the
 engine's server. The wait lets outputs on their way reach callers, not needed where every
 output is labelled with its version; keep_kv skips vLLM's cache reset, which preempts every
-running request, since requests salt the prefix cache with the version (not for a multimodal
-model: its encoder cache is shared unsalted). Standard library only."""
+running request, since requests salt the prefix cache with the version. Standard library only."""
 
 from urllib.parse import parse_qs
 
@@ -26,7 +25,9 @@ class Pause:
         mode = "wait" if _true(query.get("wait_for_inflight_requests", "false")) else None
         mode = mode or query.get("mode", "abort")  # vLLM's defaults
         clear_cache = _true(query.get("clear_cache", "true"))
-        if _true(query.get("keep_kv", "false")) and not _multimodal(engine):
+        # a multimodal model's encoder cache is shared unsalted; unknown counts as multimodal
+        multimodal = getattr(getattr(engine, "model_config", None), "is_multimodal_model", True)
+        if _true(query.get("keep_kv", "false")) and not multimodal:
             clear_cache = False
         if mode not in MODES:
             return await reply_json(send, 400, {"error": f"mode must be one of {MODES}: {mode!r}"})
@@ -39,11 +40,6 @@ class Pause:
         except Exception as error:  # as vLLM's route: the reply says why
             return await reply_json(send, 500, {"error": f"Failed to pause generation: {error}"})
         await reply_json(send, 200, {"status": "paused"})
-
-
-def _multimodal(engine) -> bool:
-    """Whether the engine serves a multimodal model; unknown counts as one (clears all)."""
-    return getattr(getattr(engine, "model_config", None), "is_multimodal_model", True)
 
 
 def _true(value: str) -> bool:

@@ -48,12 +48,11 @@ def open_shared(fields: dict, device_index: int) -> torch.Tensor:
     raw = {
         k: base64.b64decode(v) if k in _BYTES and v is not None else v for k, v in fields.items()
     }
-    handle, size, offset = raw["handle"], raw["size_bytes"], raw["offset_bytes"]
-    counter = [raw["ref_counter_handle"], raw["ref_counter_offset"]]
-    event = [raw["event_handle"], raw["event_sync_required"]]
-    shape = torch.Size([raw["numel"]])
+    # _FIELDS' order: the reference counter's and the event's fields last, as torch takes them
+    _, handle, size, offset, *counter_and_event = (raw[key] for key in _FIELDS)
     storage = (torch.UntypedStorage, torch.uint8, device_index, handle, size, offset, False)
-    return rebuild_cuda_tensor(torch.Tensor, shape, (1,), 0, *storage, *counter, *event)
+    shape = torch.Size([raw["numel"]])
+    return rebuild_cuda_tensor(torch.Tensor, shape, (1,), 0, *storage, *counter_and_event)
 
 
 @dataclass

