@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 
 TARGET = 9000  # the reference implementation's 8.6K, with more features
-BUDGET = 9450  # today's count: lower it with every cut until it reaches TARGET
+BUDGET = 9000  # a ceiling that only comes down (TARGET reached)
 MAX_FILE = 400
 MAX_FUNCTION = 60
 ENTRY = "molt_train.cli"
