@@ -178,7 +178,14 @@ def lint(session: nox.Session) -> None:
     session.run("shellcheck", *scripts)
     session.run("hadolint", *(str(p) for p in sorted(Path("containers").glob("Dockerfile.*"))))
     session.run("python", ".ci/check_containers.py")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", ".ci/test_check_containers.py")
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        ".ci/test_check_containers.py",
+        ".ci/test_pass_rate.py",
+    )
     # The RL path's size budget and the shape of every source file (docs/development.md).
     session.run("python", ".ci/check_size.py")
     session.run("pytest", "-q", "-p", "no:cacheprovider", ".ci/test_product_only.py")
