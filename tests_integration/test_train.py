@@ -67,7 +67,7 @@ LORA = ["--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--rollout.tempera
 ADAPTER = ["--actor.lora.refit", "adapter"]  # the engines serve the adapters through vLLM LoRA
 
 
-def learn(run: Path, agent: str, *flags: str) -> None:
+def learn(run: Path, agent: str, *flags: str, record=lambda name, value: None) -> None:
     """Half the README's 40 steps: measured runs pass 0.9 at steps 13-15 from about 0.2 (LoRA:
     0.96 at step 10). A policy that ignores the prompt earns at most 0.5, so 0.75 means it
     reads the prompt; that needs the loss, token alignment and the refit all right."""
@@ -76,6 +76,9 @@ def learn(run: Path, agent: str, *flags: str) -> None:
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 21))
     rewards = [r["rollout/reward_mean"] for r in rows]
+    for name, value in (("reward_first", rewards[0]), ("reward_last3", mean(rewards[-3:]))):
+        record(name, value)  # .ci/pass_rate.py reports the range of each
+    record("eval_pass1_step20", rows[19].get("eval/halves/pass@1", -1.0))
     assert rewards[0] < 0.4 and mean(rewards[-3:]) > 0.75, rewards
     assert "eval/pass@1" in rows[9] and rows[19]["eval/halves/pass@1"] > 0.75
     assert "eval/pass@4" in rows[9]  # unbiased pass@k up to --eval.n_samples (4)
@@ -93,8 +96,8 @@ def learn(run: Path, agent: str, *flags: str) -> None:
 
 @pytest.mark.parametrize(("agent", "flags"), [("halves_env", []), ("halves_chat", LORA)],
                          ids=["halves_env", "halves_chat-lora"])  # fmt: skip
-def test_quickstart_learns(tmp_path, agent, flags):
-    learn(tmp_path / agent, agent, *flags)
+def test_quickstart_learns(tmp_path, agent, flags, record_property):
+    learn(tmp_path / agent, agent, *flags, record=record_property)
 
 
 def test_the_adapter_refit_learns_then_resumes_serving_the_restored_adapter(tmp_path):
