@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from molt_capture import CaptureError, ChatRenderer, ChatRequest, Session, SessionConfig
 from molt_capture.testing import FakeGenerator, assert_token_exact, routing_row, tool_call_text
 from molt_capture.tiny_tokenizer import QWEN3_STYLE_TEMPLATE
+from molt_capture.types import derive_seed
 
 USER = {"role": "user", "content": "What is 1+2?"}
 
@@ -110,6 +111,28 @@ def test_rewritten_history_opens_a_new_segment(tokenizer, renderer):
     assert len(segs) == 2 and [len(x.turns) for x in segs] == [2, 1]
     assert_token_exact(segs, gen.calls)
     assert gen.calls[2].token_ids == renderer.encode(renderer.render(summary, None, True))
+
+
+def test_a_seeded_session_gives_each_turn_its_own_seed(tokenizer, renderer):
+    """--rollout.seed: turn k samples with derive_seed(seed, k), across segments too; the same
+    session replayed asks for the same seeds; an unseeded one leaves sampling to the engine."""
+    summary = [{"role": "user", "content": "Summary."}]  # a rewrite: a new segment
+
+    def seeds(config: SessionConfig) -> list:
+        gen = FakeGenerator(tokenizer, ["One.", "Two.", "Three."])
+        s = Session("s", config)
+        r1 = turn(s, renderer, gen, [USER])
+        turn(s, renderer, gen, [USER, echo(r1), {"role": "user", "content": "Next"}])
+        turn(s, renderer, gen, summary)
+        assert len(s.segments()) == 2
+        return [call.params.seed for call in gen.calls]
+
+    assert seeds(SessionConfig(seed=7)) == [derive_seed(7, k) for k in range(3)]
+    assert seeds(SessionConfig(seed=7)) != seeds(SessionConfig(seed=8))
+    assert len(set(seeds(SessionConfig(seed=7)))) == 3
+    assert seeds(SessionConfig()) == [None] * 3
+    # No per-process hash salt: a run's seeds are the same in every process and every run.
+    assert derive_seed(0, "p3-1", 2) == 856382519
 
 
 def test_edited_reply_is_a_rewrite(tokenizer, renderer):

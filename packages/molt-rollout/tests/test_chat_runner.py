@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from molt_capture.testing import ADD_TOOL, FakeGenerator, assert_token_exact, tool_call_text
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
-from molt_capture.types import Rollout
+from molt_capture.types import Rollout, derive_seed
 from molt_rollout.agents.agent import (
     ChatAgent,
     ChatContext,
@@ -178,6 +178,15 @@ def test_openai_streaming_tool_agent(make_runner):
     assert set(rollout.timings) == {"agent", "total"}
     decoded = runner.tokenizer.decode(seg.token_ids)
     assert "<tool_response>\n3\n</tool_response>" in decoded and "Be brief." in decoded
+
+
+def test_a_seeded_runner_seeds_each_session_turn(make_runner):
+    """--rollout.seed: the session's seed is a function of (seed, rollout id), each turn's of
+    (session seed, turn): the agent's requests need no seed of their own."""
+    runner, gen = make_runner(OpenAIStreamingAgent, [CALL, "The answer is 3."], seed=5)
+    run(runner, rollout_id="p2-1")
+    session = derive_seed(5, "p2-1")
+    assert [c.params.seed for c in gen.calls] == [derive_seed(session, t) for t in (0, 1)]
 
 
 class AnthropicStreamingAgent(AnthropicAgent):

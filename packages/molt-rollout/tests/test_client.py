@@ -208,6 +208,12 @@ def test_request_carries_session_salt_and_sampling_params(engine):
     assert sp["flat_logprobs"] is True
     assert sp["output_kind"] == 2  # vLLM's FINAL_ONLY: no output per step
     assert sp["detokenize"] is True  # stop strings are matched on text
+    assert "seed" not in sp  # unseeded: the engine's own RNG
+
+
+def test_a_seeded_request_carries_its_seed(engine):
+    generate(make_client(engine.url), params=SamplingParams(max_tokens=2, seed=123))
+    assert engine.calls[1].body["sampling_params"]["seed"] == 123
 
 
 def test_a_request_without_stop_strings_is_not_detokenized(engine):

@@ -17,7 +17,7 @@ from molt_capture.testing import (
     tool_call_text,
 )
 from molt_capture.tiny_tokenizer import build_tiny_tokenizer
-from molt_capture.types import PROMPT_VERSION
+from molt_capture.types import PROMPT_VERSION, derive_seed
 from molt_rollout.agents.agent import (
     Dropped,
     Env,
@@ -123,6 +123,16 @@ def test_multi_turn_tool_observations_are_masked_context(tokenizer):
         "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_a_seeded_runner_seeds_each_turn_of_each_rollout(tokenizer):
+    """--rollout.seed: a function of (seed, rollout id, turn), so a rerun samples the same."""
+    seeded, gen = make_runner(tokenizer, Calculator, [CALL, "The answer is 3."], seed=5)
+    run(seeded, rollout_id="p2-1")
+    assert [c.params.seed for c in gen.calls] == [derive_seed(5, "p2-1", t) for t in (0, 1)]
+    unseeded, gen = make_runner(tokenizer, Calculator, [CALL, "The answer is 3."])
+    run(unseeded)
+    assert [c.params.seed for c in gen.calls] == [None, None]
 
 
 def test_routing_rows_cover_every_position_the_engine_ran(tokenizer):

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import CaptureError, ParamRejected
 from .media import ImagePrompt
 from .render import ChatRenderer, Reply
-from .types import Generation, SamplingParams, Segment
+from .types import Generation, SamplingParams, Segment, derive_seed
 
 Generator = Callable[[list[int], SamplingParams, str], Awaitable[Generation]]
 
@@ -52,6 +52,7 @@ class SessionConfig:
     max_len: int = 4096  # tokens per segment (prompt + everything generated)
     # Refuse requests whose temperature differs from the run's training temperature.
     strict_temperature: bool = False
+    seed: int | None = None  # turn k samples with derive_seed(seed, k); None: unseeded
 
 
 @dataclass
@@ -162,7 +163,9 @@ class Session:
             routing_start = 0
         room = cfg.max_len - len(prompt.token_ids)
         max_tokens = max(0, min(req.max_tokens or cfg.max_tokens or room, room))
-        params = SamplingParams(max_tokens, temperature, top_p, list(req.stop), routing_start)
+        turn = sum(len(s.turns) for s in [*self.sealed, *([cur] if cur else [])])
+        seed = None if cfg.seed is None else derive_seed(cfg.seed, turn)
+        params = SamplingParams(max_tokens, temperature, top_p, list(req.stop), routing_start, seed)
         return _Plan(delta is not None, context, prompt, prompt_text, params, room)
 
     def _delta(self, req: ChatRequest, renderer: ChatRenderer) -> tuple[str, str] | None:

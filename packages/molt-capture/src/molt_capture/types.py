@@ -3,6 +3,7 @@ Every per-token list is aligned 1:1 with `token_ids`; they pickle (Ray) and roun
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +26,13 @@ class SamplingParams:
     # Prompt positions whose routed experts the caller already holds: the engine reports rows
     # from this position on (ignored when it reports no routing).
     routing_start: int = 0
+    seed: int | None = None  # the request's own sampling seed; None: the engine's RNG
+
+
+def derive_seed(*keys: object) -> int:
+    """A 31-bit seed that is a function of `keys` alone (no per-process hash salt)."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass

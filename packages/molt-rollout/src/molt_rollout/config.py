@@ -28,6 +28,9 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling; the trainer recomputes log-probs at it
     top_p: float = 1.0  # < 1 is refused with an IS correction (biased ratios)
     max_tokens: int | None = None  # per turn; None: what the budgets leave
+    # Each request's own sampling seed, from (seed, rollout id, turn): a run's samples repeat.
+    # None: the engine's shared RNG (per-request generators slow large GPU batches).
+    seed: int | None = None
     top_logprobs: int = 0  # engine's top-k log-probs per sampled token (score centering); 0: off
     max_len: int = 2048  # tokens per rollout trace: prompt, replies, observations
     max_response_tokens: int | None = None  # Env: generated tokens per rollout, all turns

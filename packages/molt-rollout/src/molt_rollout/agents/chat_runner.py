@@ -12,7 +12,7 @@ from typing import Any
 from molt_capture import CaptureServer, Session
 from molt_capture.errors import ParamRejected
 from molt_capture.media import MediaError, openai_image_parts
-from molt_capture.types import Rollout, Segment
+from molt_capture.types import Rollout, Segment, derive_seed
 from molt_rollout.agents.agent import (
     ChatAgent,
     ChatContext,
@@ -93,7 +93,11 @@ class ChatRunner(Runner):
                     messages = openai_image_parts(messages, row.get("images"))
                 except MediaError as e:
                     raise RolloutDropped("bad_row", str(e)) from e
-            session = self.server.open_session(row, max_len=self.config.max_len, **self._sampling())
+            cfg = self.config
+            seed = None if cfg.seed is None else derive_seed(cfg.seed, rollout_id)
+            session = self.server.open_session(
+                row, max_len=cfg.max_len, seed=seed, **self._sampling()
+            )
             ctx = self._context(row, messages, session, rollout_id, group_id)
             result = await within_deadline(self._run_agent(ctx, session), self.config.deadline_s)
             agent_s = time.monotonic() - t0

@@ -10,7 +10,7 @@ from typing import Any
 
 from molt_capture import CaptureError, ChatRenderer, Reply
 from molt_capture.media import IMAGES_REFUSED, ImagePrompt, MediaError, message_images
-from molt_capture.types import Generation, Rollout, SamplingParams, Segment
+from molt_capture.types import Generation, Rollout, SamplingParams, Segment, derive_seed
 from molt_rollout.agents.agent import (
     Env,
     EnvState,
@@ -100,7 +100,10 @@ class EnvRunner(Runner):
                 segments.append(seg)
             max_tokens = min(last.max_tokens or cfg.max_tokens or room, room)
             stop = list(last.stop or [])
-            params = SamplingParams(max_tokens, temperature, cfg.top_p, stop, seg.routing_known)
+            seed = None if cfg.seed is None else derive_seed(cfg.seed, state.rollout_id, turn)
+            params = SamplingParams(
+                max_tokens, temperature, cfg.top_p, stop, seg.routing_known, seed
+            )
             gen = await self._generate(seg, params, state.rollout_id, timings)
             self._observe_reply(state, turn, gen, seg)  # before the reply joins `seg`
             seg.append_generation(gen, params.max_tokens)

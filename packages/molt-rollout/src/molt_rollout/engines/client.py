@@ -207,30 +207,7 @@ class TokenClient:
     ) -> Generation:
         """`images`: processed images whose placeholder runs `token_ids` hold, sent as features
         (the engine runs no processor and keeps the ids as given)."""
-        headers = {SESSION_HEADER: session_id}
-        body = {
-            "model": self.model,
-            "token_ids": list(token_ids),
-            "sampling_params": {
-                "max_tokens": params.max_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "stop": list(params.stop),
-                "logprobs": self.top_logprobs,  # 0: the sampled token's own log-prob alone
-                "flat_logprobs": True,  # arrays in the engine's output path, not a dict a token
-                # No text: Molt reads ids. Stop strings need it (vLLM matches them on text).
-                "detokenize": bool(params.stop),
-                "skip_special_tokens": False,
-                # One output at the end. The route's default (cumulative) builds an output and
-                # wakes its handler for every request at every step: a quarter of the API
-                # server's CPU under a thousand requests (docs/performance.md).
-                "output_kind": FINAL_ONLY,
-                # Routed experts (when the engine returns them) only past what the caller has.
-                "routed_experts_prompt_start": params.routing_start,
-            },
-        }
-        if images:
-            body["features"] = image_features(images)
+        headers, body = {SESSION_HEADER: session_id}, self._body(token_ids, params, images)
         for _ in range(MAX_VERSION_RACES + 1):
             version = self.version if self.version is not None else await self._version(headers)
             body["cache_salt"] = f"molt-v{version}"
@@ -268,6 +245,35 @@ class TokenClient:
         on (but with adapters, whose request names one that must still be loaded)."""
         if self.adapter is None:
             self.version = version if self.version is None else max(self.version, version)
+
+    def _body(self, token_ids: list[int], params: SamplingParams, images) -> dict:
+        """The generate request, less what each attempt sets (the version's salt, adapter)."""
+        body = {
+            "model": self.model,
+            "token_ids": list(token_ids),
+            "sampling_params": {
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "stop": list(params.stop),
+                "logprobs": self.top_logprobs,  # 0: the sampled token's own log-prob alone
+                "flat_logprobs": True,  # arrays in the engine's output path, not a dict a token
+                # No text: Molt reads ids. Stop strings need it (vLLM matches them on text).
+                "detokenize": bool(params.stop),
+                "skip_special_tokens": False,
+                # One output at the end. The route's default (cumulative) builds an output and
+                # wakes its handler for every request at every step: a quarter of the API
+                # server's CPU under a thousand requests (docs/performance.md).
+                "output_kind": FINAL_ONLY,
+                # Routed experts (when the engine returns them) only past what the caller has.
+                "routed_experts_prompt_start": params.routing_start,
+            },
+        }
+        if params.seed is not None:
+            body["sampling_params"]["seed"] = params.seed
+        if images:
+            body["features"] = image_features(images)
+        return body
 
     async def _version(self, headers: dict) -> int:
         reply = await self._request("GET", self.version_url, headers)
