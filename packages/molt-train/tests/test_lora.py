@@ -4,9 +4,10 @@ test_checkpoint.py; the RL run through the CLI in tests_integration/test_train.p
 
 import pytest
 import torch
+from nemo_automodel.components._peft.lora import apply_lora_to_linear_modules
 
 from molt_train.actor_config import ActorConfig, FSDPConfig, LoRAConfig, validate_actor_config
-from molt_train.lora import adapter_scales, add_adapters, merge_adapters
+from molt_train.lora import adapter_scales, merge_adapters, peft_config
 from molt_train.model_worker import ModelWorker
 from molt_train.weights_out import WeightsOut
 
@@ -21,7 +22,7 @@ def lora_model(tiny_model: str, lora: LoRAConfig = LORA):
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model, dtype=torch.float32, attn_implementation="sdpa"
     )
-    add_adapters(model, lora)
+    apply_lora_to_linear_modules(model, peft_config(lora))
     generator = torch.Generator().manual_seed(0)
     for name, param in model.named_parameters():
         if "lora_B" in name:
@@ -104,7 +105,9 @@ def test_targets_that_match_no_linear_layer_are_refused(tiny_model):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    add_adapters(model, LoRAConfig(rank=2, target_modules=["*.no_such_proj"]))
+    apply_lora_to_linear_modules(
+        model, peft_config(LoRAConfig(rank=2, target_modules=["*.no_such_proj"]))
+    )
     with pytest.raises(ValueError, match="--actor.lora.target_modules matches no linear"):
         adapter_scales(model)
 

@@ -1,6 +1,6 @@
-"""Resumable checkpoints of a run, each rank's sharded part of them, and Hugging Face export.
+"""Resumable checkpoints of a run, and Hugging Face export.
 
-    step_00000100/            policy/, critic/ (ModelGroup.save: DCP shards + rank_*.pt) and
+    step_00000100/            policy/, critic/ (ModelWorker.save: DCP shards + rank_*.pt) and
                               driver_state.json (the loop's step, pool position, KL controller)
     step_00000200.tmp/        a save in progress (renamed when flushed), or one a crash left
     best_00000100/, best ->   --ckpt.best_metric: hard links to the best step's files
@@ -126,39 +126,6 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
     _fsync(final.parent)
 
 
-def save_sharded(path: str, model, optimizer, rank: int, extra: dict) -> None:
-    """One rank's part of `ModelGroup.save` of a trained model (the reference is never saved),
-    collective: DCP shards, and `extra` in rank_<r>.pt."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    os.makedirs(path, exist_ok=True)
-    dcp.save(_state(model, optimizer), checkpoint_id=path)
-    torch.save(extra, os.path.join(path, f"rank_{rank:05d}.pt"))
-    dist.barrier()
-
-
-def load_sharded(path: str, model, optimizer, rank: int) -> dict:
-    """Restore what `save_sharded` wrote into `model` and `optimizer`; the rank's `extra`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    # Our own file: it holds numpy's RNG state, not just tensors.
-    return torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
-
-
-def _state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
-
-
 def rng_state(device: torch.device) -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state()}
     state["torch"] = torch.get_rng_state()
@@ -180,8 +147,7 @@ def write_hf_checkpoint(
 ) -> None:
     """safetensors shards, config, the source's tokenizer and generation config, loadable by
     transformers and vLLM; written beside `path` and renamed in (a crash leaves an earlier one)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
     from transformers import AutoTokenizer
 
     tied = getattr(config, "tie_word_embeddings", False)  # then the embedding holds the LM head
@@ -191,12 +157,8 @@ def write_hf_checkpoint(
     out = Path(path).with_name(Path(path).name + ".tmp")
     shutil.rmtree(out, ignore_errors=True)  # a crashed export's leftovers
     out.mkdir(parents=True)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=SHARD_BYTES)
-    for name, tensors in split.filename_to_tensors.items():
-        save_file({t: state[t] for t in tensors}, str(out / name), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    # model.safetensors, or shards with their index.
+    save_torch_state_dict(state, out, max_shard_size=SHARD_BYTES)
     config.save_pretrained(str(out))
     if (Path(source) / "generation_config.json").exists():
         shutil.copy(Path(source) / "generation_config.json", out / "generation_config.json")

@@ -128,9 +128,8 @@ def parse(argv: list[str], config_type: type = RunConfig, default=None):
         if i + 1 >= len(argv):
             _exit("--config needs a file: TOML, YAML or JSON")
         argv[i : i + 2] = config_file_flags(argv[i + 1], config_type)
-    argv = normalise_bools(
-        argv, {f"--{name}" for name, kind in _fields(config_type) if kind is bool}
-    )
+    bools = {f"--{name}" for name, kind in _fields(config_type) if kind is bool}
+    argv = normalise_bools(argv, bools)
     return tyro.cli(config_type, args=argv, prog="molt-train", default=default, **TYRO_STYLE)
 
 

@@ -83,7 +83,7 @@ class MetricsLogger:
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.paths: dict[str, str] = {}
-        self._closed, self._console_lines = False, 0
+        self._console_lines = 0
         if cfg.jsonl:
             self.paths["metrics"] = os.path.join(self.run_dir, "metrics.jsonl")
             if resumed_at is not None:
@@ -149,13 +149,12 @@ class MetricsLogger:
             self._wandb.log({"samples": wandb.Table(columns, rows)}, step=step)
 
     def close(self, exit_code: int = 0) -> dict[str, str]:
-        """Flush and finish every sink; return {sink: path} (and `wandb_url` when online)."""
-        if not self._closed:
-            self._closed = True
-            if self._tensorboard is not None:
-                self._tensorboard.close()
-            if self._wandb is not None:
-                self._wandb.finish(exit_code=exit_code)
+        """Flush and finish every sink (once); return {sink: path} (and `wandb_url` when online)."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=exit_code)
+        self._tensorboard = self._wandb = None
         return dict(self.paths)
 
 

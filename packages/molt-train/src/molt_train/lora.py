@@ -29,13 +29,6 @@ def peft_config(lora: LoRAConfig):
     )
 
 
-def add_adapters(model: torch.nn.Module, lora: LoRAConfig) -> None:
-    """Freeze `model` and add the adapters in place (the CPU path, before sharding)."""
-    from nemo_automodel.components._peft.lora import apply_lora_to_linear_modules
-
-    apply_lora_to_linear_modules(model, peft_config(lora))
-
-
 def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
     """{adapted layer: s}; refuses targets matching nothing or no plain linear layer."""
     from nemo_automodel.components._peft.lora import LinearLoRA

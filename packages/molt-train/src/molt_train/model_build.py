@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from molt_train.actor_config import ROUTER_MARKER, ActorConfig, LoRAConfig, router_params
-from molt_train.lora import add_adapters, peft_config
+from molt_train.lora import peft_config
 
 
 def policy_class(multimodal: bool):
@@ -49,6 +49,7 @@ def build_model(
 ) -> torch.nn.Module:
     if device.type == "cuda" and role != "critic":
         return _automodel(path, cfg, lora, routing_replay, distributed)
+    from nemo_automodel.components._peft.lora import apply_lora_to_linear_modules
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from transformers import AutoModelForTokenClassification
 
@@ -65,8 +66,8 @@ def build_model(
         model = policy_class(is_multimodal(path)).from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa"
         )
-    if lora is not None:  # before sharding, as AutoModel's factory does on GPU
-        add_adapters(model, lora)
+    if lora is not None:  # base frozen, adapters added, before sharding as on GPU
+        apply_lora_to_linear_modules(model, peft_config(lora))
     if cfg.freeze_moe_router:  # before sharding: FSDP reads requires_grad then
         for name in router_params([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import random
 import socket
 from datetime import timedelta
 
@@ -16,14 +15,17 @@ import nemo_automodel.components.training.utils as training
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from nemo_automodel.components.distributed.fsdp2 import fsdp2_sharding_enabled
 from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import set_seed
 
 from molt_algos.aggregation import AggregationWindow
 from molt_algos.objective import AlgoConfig, Objective, policy_objective, value_objective
 from molt_train.actor_config import DTYPES, ActorConfig, lr_at
 from molt_train.attention import DOCUMENT_ATTENTION, document_attention, route_sdpa
-from molt_train.checkpoint import load_sharded, rng_state, save_sharded, set_rng_state
+from molt_train.checkpoint import rng_state, set_rng_state
 from molt_train.context_parallel import CONTEXT_ATTENTION, ContextShard, context_attention
 from molt_train.model_build import build_model, distributed_setup, is_multimodal
 from molt_train.packing import PackedBatch, Sample, pack
@@ -95,10 +97,7 @@ class ModelWorker:
         # happens there: autocast to the compute dtype instead (fp32 master weights either way).
         unsharded = not fsdp2_sharding_enabled(self.distributed.mesh_context.device_mesh)
         self.autocast = self.on_gpu and unsharded and self.compute != torch.float32
-        seed = self.cfg.seed + self.rank
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)  # also seeds every CUDA device
+        set_seed(self.cfg.seed + self.rank)  # Python's, numpy's, torch's and every CUDA device's
         if self.role == "reference":
             self.model.requires_grad_(False)
         else:
@@ -287,17 +286,30 @@ class ModelWorker:
     # ------------------------------------------------------------------ checkpoints, teardown
 
     def save(self, path: str) -> None:
-        """Sharded DCP of model and optimizer, with schedule, step count and RNG states."""
+        """Sharded DCP of model and optimizer (a trained model's: the reference is never saved);
+        schedule, step count and RNG states in rank_<r>.pt."""
+        os.makedirs(path, exist_ok=True)
+        dcp.save(self._sharded_state(), checkpoint_id=path)
         scheduler = self.scheduler.state_dict()
         extra = {"steps": self.steps, "rng": rng_state(self.device), "scheduler": scheduler}
-        save_sharded(path, self.model, self.optimizer, self.rank, extra)
+        torch.save(extra, os.path.join(path, f"rank_{self.rank:05d}.pt"))
+        dist.barrier()
 
     def load(self, path: str) -> None:
         self._reshard()
-        extra = load_sharded(path, self.model, self.optimizer, self.rank)
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=path)
+        model, optim = state["model"], state["optim"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optim)
+        # Our own file: it holds numpy's RNG state, not just tensors.
+        extra = torch.load(os.path.join(path, f"rank_{self.rank:05d}.pt"), weights_only=False)
         self.steps = extra["steps"]
         self.scheduler.load_state_dict(extra["scheduler"])
         set_rng_state(extra["rng"], self.device)
+
+    def _sharded_state(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
 
     def release_memory(self) -> None:
         """Cached blocks back to the GPU, for an engine waking on it (--vllm.enable_sleep_mode)."""
