@@ -293,16 +293,16 @@ def test_hanging_agents_are_dropped_at_the_deadline(make_runner):
     for agent in (Sleeper, Stubborn):
         runner, _ = make_runner(agent, deadline_s=0.3)
         t = time.monotonic()
-        dropped = run(runner)
-        assert dropped.reason == "deadline" and time.monotonic() - t < 2, dropped
+        dropped = run(runner)  # waited for, the agent would take 60 s or more
+        assert dropped.reason == "deadline" and time.monotonic() - t < 10, dropped
         assert not runner.server.sessions
 
 
 def test_agent_stuck_in_a_model_call_is_dropped_and_runner_recovers(make_runner):
     runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."], deadline_s=0.3)
-    gen.delay_s = 2.0
+    gen.delay_s = 8.0  # waited for, the call would end after 8 s
     t = time.monotonic()
-    assert run(runner).reason == "deadline" and time.monotonic() - t < 1.5
+    assert run(runner).reason == "deadline" and time.monotonic() - t < 5
     gen.delay_s = 0.0
     runner.config.deadline_s = 10
     assert run(runner, rollout_id="r1").reward == 1.0
@@ -354,16 +354,15 @@ def test_context_carries_row_and_sampling(make_runner):
 
 def test_group_of_agents_runs_concurrently_on_one_server(make_runner):
     runner, gen = make_runner(OpenAIStreamingAgent, ["The answer is 3."])
-    gen.delay_s = 0.5
+    gen.hold_until_concurrent(8)  # the engine answers once all 8 agents are asking
 
     async def group():
         return await asyncio.gather(
             *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(8))
         )
 
-    t = time.monotonic()
     rollouts = asyncio.run(group())
-    assert time.monotonic() - t < 3.0  # one after another: 4 s
+    assert gen.peak == 8
     assert [r.reward for r in rollouts] == [1.0] * 8
     assert len({c.session_id for c in gen.calls}) == 8
 

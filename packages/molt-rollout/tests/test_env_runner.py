@@ -311,30 +311,30 @@ def test_deadline_drops_a_slow_rollout(tokenizer):
                     continue
             return Result(1.0)
 
+    # Waited for, the Env would take 30 s more after the cancellation it ignores.
     runner, _ = make_runner(tokenizer, Stubborn, ["Hi."], deadline_s=0.3)
     t = time.monotonic()
     dropped = run(runner)
-    assert dropped.reason == "deadline" and time.monotonic() - t < 2
-    assert dropped.elapsed_s == pytest.approx(0.3, abs=0.2)
+    assert dropped.reason == "deadline" and time.monotonic() - t < 10
+    assert 0.3 <= dropped.elapsed_s < 10
 
     runner, gen = make_runner(tokenizer, ExactAnswer, ["Hi."], deadline_s=0.2)
-    gen.delay_s = 5  # a stuck engine call is cancelled too
+    gen.delay_s = 30  # a stuck engine call is cancelled too
     t = time.monotonic()
-    assert run(runner).reason == "deadline" and time.monotonic() - t < 2
+    assert run(runner).reason == "deadline" and time.monotonic() - t < 10
 
 
 def test_group_runs_concurrently(tokenizer):
     runner, gen = make_runner(tokenizer, ExactAnswer, ["The answer is 3."])
-    gen.delay_s = 0.5
+    gen.hold_until_concurrent(8)  # the engine answers once all 8 rollouts are asking
 
     async def group():
         return await asyncio.gather(
             *(runner.run(ROW, rollout_id=f"r{i}", group_id="g") for i in range(8))
         )
 
-    t = time.monotonic()
     rollouts = asyncio.run(group())
-    assert time.monotonic() - t < 2.5  # one after another: 4 s
+    assert gen.peak == 8 and [r.reward for r in rollouts] == [1.0] * 8
     assert sorted(r.rollout_id for r in rollouts) == [f"r{i}" for i in range(8)]
     assert {c.session_id for c in gen.calls} == {f"r{i}" for i in range(8)}
 

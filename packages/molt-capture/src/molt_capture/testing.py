@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -55,6 +56,18 @@ class RecordingGenerator:
         self.calls.append(call)
         return call.generation
 
+    def hold_until_concurrent(self, n: int) -> None:
+        """From now on, hold every call until `n` have been in flight at once: calls made one
+        after another time out (60 s) instead, however fast or slow the machine."""
+        self.gate, self.peak = n, self.in_flight
+
+    async def _wait_for_gate(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.peak < self.gate:  # calls run one after another never get here
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"at most {self.peak} of {self.gate} calls were in flight")
+            await asyncio.sleep(0.01)
+
     def calls_for(self, session_id: str) -> list[FakeCall]:
         return [c for c in self.calls if c.session_id == session_id]
 
@@ -65,7 +78,7 @@ class FakeGenerator:
     `replies` cycles through texts (or is a function of the prompt ids and params). Each reply
     ends with `end_token` like a chat model's end of turn. Every emitted token gets a distinct
     log-prob and weight version. Set `fail_next` to raise on the next call (before answering)
-    and `delay_s` to simulate engine latency.
+    and `delay_s` to simulate engine latency; `hold_until_concurrent(n)` tests concurrency.
     """
 
     def __init__(
@@ -85,7 +98,20 @@ class FakeGenerator:
         self.noncanonical = noncanonical
         self.calls: list[FakeCall] = []
         self.fail_next: BaseException | None = None
+        self.gate, self.in_flight, self.peak = 0, 0, 0  # peak: the most calls in flight at once
         self._counter = 0
+
+    def hold_until_concurrent(self, n: int) -> None:
+        """From now on, hold every call until `n` have been in flight at once: calls made one
+        after another time out (60 s) instead, however fast or slow the machine."""
+        self.gate, self.peak = n, self.in_flight
+
+    async def _wait_for_gate(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.peak < self.gate:  # calls run one after another never get here
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"at most {self.peak} of {self.gate} calls were in flight")
+            await asyncio.sleep(0.01)
 
     def calls_for(self, session_id: str) -> list[FakeCall]:
         return [c for c in self.calls if c.session_id == session_id]
@@ -103,8 +129,14 @@ class FakeGenerator:
     async def __call__(
         self, token_ids: list[int], params: SamplingParams, session_id: str
     ) -> Generation:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await self._wait_for_gate()
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
