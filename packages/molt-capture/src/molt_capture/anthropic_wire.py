@@ -21,8 +21,7 @@ class Text(wire.TextPart):
 
 class Thinking(wire.WireModel):
     type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
+    thinking: str  # its `signature` is opaque and ignored
 
 
 class RedactedThinking(wire.WireModel):
@@ -40,8 +39,7 @@ class ToolUse(wire.WireModel):
 class ToolResult(wire.WireModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Text] = ""
-    is_error: bool = False
+    content: str | list[Text] = ""  # `is_error` is ignored: the content says what happened
 
 
 class ImageSource(wire.WireModel):
@@ -73,10 +71,6 @@ class Tool(wire.FunctionDef):
     parameters: dict[str, Any] = Field(alias="input_schema")
 
 
-class ToolChoice(wire.WireModel):
-    type: Literal["auto", "none", "any", "tool"]
-
-
 class CountTokensRequest(wire.WireModel):
     messages: list[Any] = Field(min_length=1)  # validated one by one, as on the OpenAI wire
     system: str | list[Text] | None = None
@@ -84,20 +78,27 @@ class CountTokensRequest(wire.WireModel):
 
 
 class MessagesRequest(wire.WireRequest, CountTokensRequest):
+    # Harmless: none changes what is sampled. `thinking` and `output_config.effort` follow the
+    # model and `chat_template_kwargs`; `speed` and the rest concern the service, not the model.
+    IGNORED = frozenset(
+        {"model", "metadata", "thinking", "cache_control", "container", "diagnostics"}
+        | {"inference_geo", "service_tier", "speed", "user_profile_id", "workspace_id"}
+    )
+    REFUSED = wire.SAMPLING_REFUSED | {
+        "output_config.format": ((), wire.STRUCTURED_OUTPUT_REFUSED),
+        "output_format": ((), wire.STRUCTURED_OUTPUT_REFUSED),  # its older name
+    }
     temperature: float | None = Field(None, ge=0, le=1)
     max_tokens: int = Field(ge=1)
-    tool_choice: ToolChoice | None = None
+    tool_choice: dict[str, Any] | None = None
     stop_sequences: list[str] | None = None
-    output_format: dict[str, Any] | None = None  # structured outputs (beta)
 
 
 def parse_request(raw: bytes, images: bool) -> tuple[MessagesRequest, ChatRequest]:
     req = wire.parse(MessagesRequest, raw)
-    if req.output_format is not None:
-        raise wire.refuse("output_format", wire.STRUCTURED_OUTPUT_REFUSED)
-    choice = req.tool_choice.type if req.tool_choice else None
     messages, names = to_template(req, images), {"stop": "stop_sequences"}
-    return req, req.chat(messages, _tools(req), choice, req.max_tokens, req.stop_sequences, names)
+    choice, stop = req.tool_choice, req.stop_sequences
+    return req, req.chat(messages, _tools(req), choice, req.max_tokens, stop, names)
 
 
 def parse_count_request(raw: bytes) -> ChatRequest:

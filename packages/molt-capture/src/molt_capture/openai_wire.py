@@ -19,8 +19,7 @@ class Text(wire.TextPart):
 
 
 class ImageURL(wire.WireModel):
-    url: str
-    detail: str | None = None  # ignored: the model's processor decides the resolution
+    url: str  # `detail` is ignored: the model's processor decides the resolution
 
 
 class Image(wire.ImagePart):
@@ -56,11 +55,24 @@ class Tool(wire.WireModel):
     function: wire.FunctionDef
 
 
-class StreamOptions(wire.WireModel):
-    include_usage: bool = False
-
-
 class CompletionRequest(wire.WireRequest):
+    # Harmless: none changes what is sampled. `seed` is the framework's (set when the run seeds);
+    # `logprobs` are not returned; `verbosity`, `reasoning_effort` follow the model and template;
+    # `prediction` (speculative decoding) only changes speed; `audio` needs `modalities` (refused).
+    IGNORED = frozenset(
+        {"model", "user", "seed", "metadata", "store", "service_tier", "safety_identifier"}
+        | {"prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "moderation"}
+        | {"parallel_tool_calls", "logprobs", "top_logprobs", "reasoning_effort", "verbosity"}
+        | {"prediction", "audio"}
+    )
+    REFUSED = wire.SAMPLING_REFUSED | {
+        "n": ((1,), "n > 1 is not supported: the framework owns the group size"),
+        "response_format": (({"type": "text"},), wire.STRUCTURED_OUTPUT_REFUSED),
+        "functions": (([],), "deprecated and not supported: use tools"),
+        "function_call": (("auto", "none"), "deprecated and not supported: use tool_choice"),
+        "modalities": ((["text"],), "only text output is supported"),
+        "web_search_options": ((), wire.UNSERVED),
+    }
     # Each message is validated on its own (in `parse_request`): the validator holds the GIL,
     # and one call over 100k messages would hold the event loop as long.
     messages: list[Any] = Field(min_length=1)
@@ -69,17 +81,11 @@ class CompletionRequest(wire.WireRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    n: int | None = None
-    stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
+    stream_options: dict[str, bool] | None = None  # `include_usage`
 
 
 def parse_request(raw: bytes, images: bool) -> tuple[CompletionRequest, ChatRequest]:
     req = wire.parse(CompletionRequest, raw)
-    if req.n not in (None, 1):
-        raise CaptureError(400, "n > 1 is not supported: the framework owns the group size", "n")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise wire.refuse("response_format", wire.STRUCTURED_OUTPUT_REFUSED)
     tools = [
         t.function.template(f"tools.{i}.function.parameters") for i, t in enumerate(req.tools or [])
     ]
@@ -145,7 +151,7 @@ def stream(req: CompletionRequest, body: dict[str, Any]) -> Iterator[str]:
     for i, call in enumerate(msg.get("tool_calls", [])):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, choice["finish_reason"])
-    if req.stream_options and req.stream_options.include_usage:
+    if (req.stream_options or {}).get("include_usage"):
         yield wire.sse({**head, "choices": [], "usage": body["usage"]}, named=False)
     yield "data: [DONE]\n\n"
 

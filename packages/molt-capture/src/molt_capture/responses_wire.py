@@ -23,28 +23,24 @@ class Text(wire.TextPart):
 
 class Image(wire.ImagePart):
     type: Literal["input_image"]
-    image_url: str  # no file ids
-    detail: str | None = None  # ignored: the model's processor decides the resolution
+    image_url: str  # no file ids; `detail` is ignored: the model's processor decides
 
     def url(self) -> str:
         return self.image_url
 
 
 class MessageItem(wire.WireModel):
-    type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Annotated[Text | Image, Field(discriminator="type")]]
 
 
 class FunctionCallItem(wire.WireModel):
-    type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
 class FunctionCallOutputItem(wire.WireModel):
-    type: Literal["function_call_output"]
     call_id: str
     output: str | list[Text]
 
@@ -54,11 +50,11 @@ class ReasoningText(wire.TextPart):
 
 
 class ReasoningItem(wire.WireModel):
-    type: Literal["reasoning"]
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
 
 
+# Each item's model by its `type` (`message` when it has none), so no model checks `type` again.
 ITEMS: dict[str, type[wire.WireModel]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
@@ -67,26 +63,29 @@ ITEMS: dict[str, type[wire.WireModel]] = {
 }
 
 
-class FunctionTool(wire.FunctionDef):
-    type: Literal["function"]
-    strict: bool | None = None  # ignored: no constrained decoding; the schema reaches the model
-
-
-class TextConfig(wire.WireModel):
-    format: dict[str, Any] | None = None
-
-
 class ResponsesRequest(wire.WireRequest):
+    # Harmless: none changes what is sampled. Responses are kept for the session's life whatever
+    # `store` says; `reasoning` follows the model and template; `max_tool_calls` and
+    # `background_options` concern what is refused anyway; `text.verbosity` is ignored too.
+    IGNORED = frozenset(
+        {"model", "store", "include", "metadata", "user", "safety_identifier", "service_tier"}
+        | {"prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "moderation"}
+        | {"truncation", "reasoning", "parallel_tool_calls", "top_logprobs", "stream_options"}
+        | {"image", "access_programs", "max_tool_calls", "background_options"}
+    )
+    REFUSED = wire.SAMPLING_REFUSED | {
+        "text.format": (({"type": "text"},), wire.STRUCTURED_OUTPUT_REFUSED),
+        "background": ((False,), wire.UNSERVED),
+        "conversation": ((), wire.UNSERVED),
+        "prompt": ((), wire.UNSERVED),
+        "context_management": (([],), wire.UNSERVED),
+    }
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     previous_response_id: str | None = None
-    text: TextConfig | None = None
-    background: bool | None = None
-    conversation: Any = None
-    prompt: Any = None
 
 
 def parse_request(
@@ -94,11 +93,6 @@ def parse_request(
 ) -> tuple[ResponsesRequest, ChatRequest]:
     """`responses`: the session's earlier responses (id -> conversation)."""
     req = wire.parse(ResponsesRequest, raw)
-    for name in ("background", "conversation", "prompt"):
-        if getattr(req, name):
-            raise CaptureError(400, f"{name} is not supported by this server", name)
-    if ((req.text and req.text.format) or {"type": "text"}).get("type") != "text":
-        raise wire.refuse("text.format", wire.STRUCTURED_OUTPUT_REFUSED)
     tools = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools or [])]
     history = responses.get(req.previous_response_id or "", [])
     if req.previous_response_id is not None and req.previous_response_id not in responses:
@@ -122,7 +116,8 @@ def conversation(req: ResponsesRequest, chat: ChatRequest, result: TurnResult) -
 def _tool(raw: dict[str, Any], where: str) -> dict[str, Any]:
     if raw.get("type") != "function":
         raise wire.refuse(f"{where}.type", "only function tools are supported")
-    return wire.parse(FunctionTool, raw, where).template(f"{where}.parameters")
+    # `strict` is ignored (no constrained decoding): the schema reaches the model either way.
+    return wire.parse(wire.FunctionDef, raw, where).template(f"{where}.parameters")
 
 
 def _item(raw: Any, where: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Any, ClassVar
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -16,17 +16,20 @@ from .session import ChatRequest
 
 # Content part / block types that carry media, on any wire.
 MEDIA_TYPES = {"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"}
-# Fields some client may send (vLLM extras through `extra_body` included) that change what is
-# sampled in a way the recorded log-probs would not reflect; each with the values that are no-ops.
-SAMPLING_REFUSED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "top_k": (-1, 0),
-    "min_p": (0,),
+UNTRACEABLE = "not supported: it changes what is sampled untraceably"
+# Request fields (dotted) refused unless they hold a no-op value: field -> (no-ops, why). These,
+# on every wire, are those some client may send (vLLM extras through `extra_body` included) that
+# change what is sampled in a way the recorded log-probs would not reflect.
+SAMPLING_REFUSED: dict[str, tuple[tuple, str]] = {
+    "presence_penalty": ((0,), UNTRACEABLE),
+    "frequency_penalty": ((0,), UNTRACEABLE),
+    "repetition_penalty": ((1,), UNTRACEABLE),
+    "logit_bias": (({},), UNTRACEABLE),
+    "top_k": ((-1, 0), UNTRACEABLE),
+    "min_p": ((0,), UNTRACEABLE),
 }
 STRUCTURED_OUTPUT_REFUSED = "structured output is not supported (no constrained decoding)"
+UNSERVED = "not supported by this server"
 
 
 def refuse(where: str, why: str) -> CaptureError:
@@ -38,18 +41,26 @@ class WireModel(BaseModel):
 
 
 class WireRequest(WireModel):
-    model: str | None = None
+    # Each top-level field the wire's SDK sends is served (a field of the model), ignored on
+    # purpose (harmless to the trace) or refused, so none is dropped unnoticed: each wire's
+    # classification is checked against the installed SDK's request type (test_sdk_fields.py).
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+    REFUSED: ClassVar[dict[str, tuple[tuple, str]]] = SAMPLING_REFUSED
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_sampling_extras(cls, raw: Any) -> Any:
-        for name, no_ops in SAMPLING_REFUSED.items():
-            value = raw.get(name) if isinstance(raw, dict) else None
-            if value is not None and (isinstance(value, bool) or value not in no_ops):
-                raise refuse(name, "not supported: it changes what is sampled untraceably")
+    def _refuse(cls, raw: Any) -> Any:
+        for path, (no_ops, why) in cls.REFUSED.items():
+            value = raw
+            for key in path.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            # A no-op compares equal and is a bool only where the no-op is (True is not 1).
+            same = (value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
+            if value is not None and not any(same):
+                raise refuse(path, why)
         return raw
 
     def chat(self, messages, tools, choice, max_tokens, stop, names) -> ChatRequest:
