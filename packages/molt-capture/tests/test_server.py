@@ -152,20 +152,27 @@ def test_full_context_answers_length_on_both_wires(server):
 
 
 def test_close_waits_for_a_turn_in_flight(server):
-    server.generator.set_replies(["Late."])
-    server.generator.delay_s = 0.3
+    gen = server.generator
+    gen.set_replies(["Late."])
+    gen.hold_until_concurrent(2)  # the turn's one engine call waits until `gate` is cleared
     s = server.open_session()
-    reply = []
+    reply, closed = [], []
     request = threading.Thread(
         target=lambda: reply.append(
             openai_client(s).chat.completions.create(model="m", messages=[USER_MSG])
         )
     )
     request.start()
-    while not s.lock.locked():  # the turn has started (parsing runs before it, off the loop)
+    while gen.in_flight == 0:  # the turn is in its engine call, holding the session's lock
         time.sleep(0.005)
-    (segment,) = server.close_session(s.id)
+    closing = threading.Thread(target=lambda: closed.append(server.close_session(s.id)))
+    closing.start()
+    while s.id in server.sessions:  # the close has begun: it forgets the session first
+        time.sleep(0.005)
+    gen.gate = 0  # the engine answers; the close must wait for the turn to commit
+    closing.join()
     request.join()
+    (segment,) = closed[0]
     assert len(segment.turns) == 1 and reply[0].choices[0].message.content == "Late."
     with pytest.raises(openai.NotFoundError):
         openai_client(s).chat.completions.create(model="m", messages=[USER_MSG])

@@ -58,7 +58,8 @@ class RecordingGenerator:
 
     def hold_until_concurrent(self, n: int) -> None:
         """From now on, hold every call until `n` have been in flight at once: calls made one
-        after another time out (60 s) instead, however fast or slow the machine."""
+        after another time out (60 s) instead, however fast or slow the machine. Setting
+        `gate = 0` releases the calls held."""
         self.gate, self.peak = n, self.in_flight
 
     async def _wait_for_gate(self, timeout_s: float = 60.0) -> None:
@@ -103,7 +104,8 @@ class FakeGenerator:
 
     def hold_until_concurrent(self, n: int) -> None:
         """From now on, hold every call until `n` have been in flight at once: calls made one
-        after another time out (60 s) instead, however fast or slow the machine."""
+        after another time out (60 s) instead, however fast or slow the machine. Setting
+        `gate = 0` releases the calls held."""
         self.gate, self.peak = n, self.in_flight
 
     async def _wait_for_gate(self, timeout_s: float = 60.0) -> None:
