@@ -56,19 +56,6 @@ class RecordingGenerator:
         self.calls.append(call)
         return call.generation
 
-    def hold_until_concurrent(self, n: int) -> None:
-        """From now on, hold every call until `n` have been in flight at once: calls made one
-        after another time out (60 s) instead, however fast or slow the machine. Setting
-        `gate = 0` releases the calls held."""
-        self.gate, self.peak = n, self.in_flight
-
-    async def _wait_for_gate(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.peak < self.gate:  # calls run one after another never get here
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"at most {self.peak} of {self.gate} calls were in flight")
-            await asyncio.sleep(0.01)
-
     def calls_for(self, session_id: str) -> list[FakeCall]:
         return [c for c in self.calls if c.session_id == session_id]
 
