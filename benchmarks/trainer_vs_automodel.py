@@ -21,9 +21,10 @@ step time (median of --steps after --warmup), tokens/s per GPU, MFU, peak memory
 step started with, and the step ratio: RL tokens/s over bare tokens/s. Per sequence length, the
 forward-only pass (the worker's old-policy or reference log-probs) against a bare forward.
 `--sections gather`: the refit gather (`ModelWorker.named_full_tensors`, bf16) against a bare
-loop over the state dict. `--sections profile` (GPU): one step of each under torch.profiler:
-GPU busy and idle time, kernels launched, the top kernels (full tables in --out). Every ratio is
-the bare time over Molt's: above 1, Molt is faster. Raw results: DIR/results.json.
+loop over the state dict. `--sections profile` (GPU): one step and one forward of each under
+torch.profiler: GPU busy and idle time, kernels launched, the top kernels (full tables in
+--out). Every ratio is the bare time over Molt's: above 1, Molt is faster. Raw results:
+DIR/results.json.
 
 MFU: model FLOPs / (seconds x 989.4e12, the H100 and H200 SXM dense bf16 rate by datasheet):
   FLOPs(step)    = 6 N T + 6 L h d sum_i s_i^2
@@ -279,10 +280,12 @@ class Benchmark:
         )
 
     def profile(self, sides: set[str]) -> None:
-        """One step of each resident side at --default-seq-len under torch.profiler."""
+        """One step and one forward-only pass of each resident side at --default-seq-len under
+        torch.profiler."""
         from torch.profiler import ProfilerActivity, profile
 
-        calls = self.calls(sides, self.inputs_for(self.args.default_seq_len), 0.0)
+        inputs = self.inputs_for(self.args.default_seq_len)
+        calls = {**self.calls(sides, inputs, 0.0), **self.calls(sides, inputs, None)}
         for name, fn in calls.items():
             fn()
             torch.cuda.synchronize()

@@ -219,8 +219,9 @@ def _to(value, device: torch.device | str):
 def padded_rows(values: list, width: int, dtype: torch.dtype) -> Tensor:
     """Per-sample arrays (or lists) -> [S, width] rows, 0 past each one's end."""
     out = torch.zeros(len(values), width, dtype=dtype)
-    for row, value in zip(out, values, strict=True):
-        row[: len(value)] = torch.as_tensor(value)
+    # Written through numpy: arrays from Ray's object store are read-only, which torch warns of.
+    for row, value in zip(out.numpy(), values, strict=True):
+        row[: len(value)] = value
     return out
 
 
