@@ -51,12 +51,13 @@ def test_a_runaway_program_and_what_it_started_are_killed_at_the_time_limit(tmp_
         "while True: pass\n"
     )
     start = time.monotonic()
-    result = run(code, "namespace" if namespace_works() else "audit", timeout_s=2.0)
+    # 5 s: the program prints within a fraction of a second even on a loaded machine.
+    result = run(code, "namespace" if namespace_works() else "audit", timeout_s=5.0)
     if not namespace_works():  # the audit hook refuses to start processes: still a clean error
         assert result.status == "error" and "subprocess.Popen" in result.output
         return
     assert result.status == "timeout" and result.exit_code is None
-    assert 2.0 <= time.monotonic() - start < 30.0  # killed at the limit, not waited on
+    assert 5.0 <= time.monotonic() - start < 60.0  # killed at the limit, not waited on
     assert result.output == "started\n"  # what it wrote before the limit is kept
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
