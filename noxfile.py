@@ -154,7 +154,7 @@ def examples(session: nox.Session) -> None:
     session.run("pytest", "examples/tests", "--durations=10", *session.posargs)
 
 
-@nox.session(tags=["ci"])
+@nox.session  # not in CI yet: under nox its run hangs in ray.init (docs/environments.md)
 def examples_verifiers(session: nox.Session) -> None:
     """The verifiers adapter, with the SDK versions verifiers pins (the other pins kept)."""
     constraints = Path(session.create_tmp()) / "constraints.txt"
