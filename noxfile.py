@@ -87,6 +87,10 @@ def pip_find_links() -> str | None:
 if "UV_FIND_LINKS" not in os.environ and (links := pip_find_links()):
     os.environ["UV_FIND_LINKS"] = links
 nox.options.error_on_missing_interpreters = True
+# Every run's processes import torch, transformers and vLLM. uv writes no .pyc files, and where
+# PYTHONDONTWRITEBYTECODE is set Python writes none either, so each process compiled them again:
+# a quickstart's start-up took 67 s instead of 30 s on 2 cores (docs/performance.md).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def implemented(package: str) -> bool:
