@@ -187,6 +187,9 @@ def all(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests_integration",
+        # Two runs at once: a run's processes often wait on each other, and these tests hold
+        # under a second heavy process (docs/development.md, "Tests that never flake").
+        *("-n", "2", "--dist", "loadfile"),
         "--durations=25",  # where CI's time goes (docs/performance.md, "CI and tests")
         *session.posargs,
         success_codes=[0, PYTEST_NO_TESTS],

