@@ -7,6 +7,7 @@ token alignment, log-probs, advantages, the loss and the refit are all right.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,6 +92,9 @@ def learn(run: Path, agent: str, *flags: str, record=lambda name, value: None) -
     assert mismatch and max(abs(kl) for kl in mismatch) < 1e-3, mismatch
     assert all(r["pool/version_lag_max"] == 0 for r in rows)  # on policy
     assert "checkpoints" in out.stdout and (run / "tensorboard").is_dir()
+    # The run prints the project's own lines, not the libraries' notices (molt_train.cli, QUIET).
+    notices = re.findall(r".*(?:\w+Warning: |is an Enum subclass|Failed to load ).*", out.stderr)
+    assert not notices, notices
     assert (run / "config.json").exists() and (run / "checkpoints").is_dir()
 
 

@@ -14,6 +14,7 @@ import signal
 import sys
 import tomllib
 import typing
+import warnings
 from pathlib import Path
 
 import tyro
@@ -32,7 +33,8 @@ OUT_OF_MEMORY = (
 )
 
 # Library notices every start printed, none of them the user's to act on: torchao's kernels
-# built for other CUDA versions, and torch deprecating the pytree registration of torchao's enums.
+# built for other CUDA versions, and torch deprecating the pytree registration of torchao's enums
+# (logged); AutoModel's FSDP library falling back from optional fused kernels (a warning).
 QUIET = {"torchao": "Failed to load ", "torch.utils._pytree": "is an Enum subclass"}
 
 TYRO_STYLE = dict(use_underscores=True, config=(tyro.conf.FlagConversionOff,))
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     command = argv[0] if argv else ""
     for name, text in QUIET.items():  # before the imports that log them
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+    warnings.filterwarnings("ignore", "Transformer Engine and Apex are not installed")
     import torch
 
     from molt_rollout.engines.engine import EngineError
@@ -114,9 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     except torch.OutOfMemoryError as error:  # a worker's, raised through Ray as its own type
         # The last line of the remote traceback Ray carries: torch's sizes.
         says = str(error).strip().splitlines()[-1].removeprefix("torch.OutOfMemoryError: ")
-        print(
-            f"molt-train: a model ran out of GPU memory: {says}\n{OUT_OF_MEMORY}", file=sys.stderr
-        )
+        message = f"molt-train: a model ran out of GPU memory: {says}\n{OUT_OF_MEMORY}"
+        print(message, file=sys.stderr)
         raise SystemExit(1) from None
 
 
