@@ -31,9 +31,11 @@ common=(
   --eval.every_steps 20 --eval.n_samples 4 --eval.temperature 0.6 --eval.max_prompts 500
   --train.num_steps 200 --ckpt.every_steps 50 --ckpt.best_metric eval/pass@1
   --train.output_dir runs
-  # One GPU: engine and policy share it, weights move by CUDA-IPC handle. A whole node of
-  # 8 GPUs instead: --vllm.num_engines 4 --actor.num_workers 4 in place of the next line.
-  --train.colocate --actor.num_workers 1
+  # One GPU: engine and policy share it, weights move by CUDA-IPC handle; the engine sleeps
+  # through each training step, so a 1.7B model fits an 80 GB card (docs/operating.md, One GPU).
+  # A whole node of 8 GPUs instead: --vllm.num_engines 4 --actor.num_workers 4 in place of the
+  # next line.
+  --train.colocate --actor.num_workers 1 --vllm.enable_sleep_mode True --train.partial_rollout_enable False
 )
 
 case $variant in

@@ -42,8 +42,10 @@ common=(
 )
 
 case ${LAYOUT:-colocated} in
-  # The engine and the policy share the GPU; weights move by CUDA-IPC handle.
-  colocated) exec molt-train "${common[@]}" --train.colocate --actor.num_workers 1 "$@" ;;
+  # The engine and the policy share the GPU; weights move by CUDA-IPC handle; the engine
+  # sleeps through each training step (docs/operating.md, One GPU).
+  colocated) exec molt-train "${common[@]}" --train.colocate --actor.num_workers 1 \
+    --vllm.enable_sleep_mode True --train.partial_rollout_enable False "$@" ;;
   # Four engines behind the router and four FSDP2 ranks; refit over NCCL.
   node) exec molt-train "${common[@]}" --vllm.num_engines 4 --actor.num_workers 4 "$@" ;;
   *) echo "LAYOUT is colocated or node" >&2; exit 2 ;;

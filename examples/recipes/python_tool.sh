@@ -17,8 +17,9 @@ eval=${EVAL:-$sample}
 model=${MODEL:-Qwen/Qwen3-4B}
 
 case ${LAYOUT:-gpu} in
-  # One GPU: engine and policy share it, weights move by CUDA-IPC handle.
-  gpu) layout=(--train.colocate --actor.num_workers 1) ;;
+  # One GPU: engine and policy share it, weights move by CUDA-IPC handle; the engine sleeps
+  # through each training step (docs/operating.md, One GPU).
+  gpu) layout=(--train.colocate --actor.num_workers 1 --vllm.enable_sleep_mode True --train.partial_rollout_enable False) ;;
   # A node of 8 GPUs: engines on four, the policy sharded over the other four.
   node) layout=(--vllm.num_engines 4 --actor.num_workers 4) ;;
   *) echo "LAYOUT is gpu or node, not $LAYOUT" >&2; exit 2 ;;

@@ -35,7 +35,7 @@ exec molt-train \
   --eval.every_steps 20 --eval.n_samples 4 --eval.temperature 0.6 \
   --train.num_steps 200 --ckpt.every_steps 50 --ckpt.best_metric eval/pass@1 \
   --train.output_dir runs \
-  --train.colocate --actor.num_workers 1 \
+  --train.colocate --actor.num_workers 1 --vllm.enable_sleep_mode True --train.partial_rollout_enable False \
   "$@"
 # A whole node of 8 GPUs: replace the colocated line with
 #   --vllm.num_engines 4 --actor.num_workers 4

@@ -37,7 +37,8 @@ common=(
 )
 
 case ${LAYOUT:-colocated} in
-  colocated) exec molt-train "${common[@]}" --train.colocate --actor.num_workers 1 "$@" ;;
+  colocated) exec molt-train "${common[@]}" --train.colocate --actor.num_workers 1 \
+    --vllm.enable_sleep_mode True --train.partial_rollout_enable False "$@" ;;
   node) exec molt-train "${common[@]}" --vllm.num_engines 4 --actor.num_workers 4 "$@" ;;
   *) echo "LAYOUT is colocated or node" >&2; exit 2 ;;
 esac

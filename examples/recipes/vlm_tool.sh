@@ -33,7 +33,7 @@ PY
 fi
 
 case ${LAYOUT:-gpu} in
-  gpu) layout=(--train.colocate --actor.num_workers 1) ;;
+  gpu) layout=(--train.colocate --actor.num_workers 1 --vllm.enable_sleep_mode True --train.partial_rollout_enable False) ;;
   node) layout=(--vllm.num_engines 4 --actor.num_workers 4) ;;
   *) echo "LAYOUT is gpu or node, not $LAYOUT" >&2; exit 2 ;;
 esac
