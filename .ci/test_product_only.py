@@ -74,17 +74,17 @@ def hits(text: str) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize(
     "line",
     [
-        "see issue 12, item 2",
+        "see issues 12 and 14",
         "Issue #19 warns of it",
         "fixed in #20",
-        "measured in after-8 on one H100",
+        "measured in after-\x38 on one H100",  # escaped: the tree itself stays free of the label
         "H200 run7 gave 0.99x",
         "(run5)",
         "raw files in benchmarks/results/h100-3/",
         "carry .gpu/extra with the call",
         "after the GPU kit's install call",
-        "no device time left",
-        'run(carry=[".gpu/part7"], ...)',
+        "no device budget left",
+        'call(carry=[".gpu/part7"], ...)',
         "bash .gpu/bin/stash.sh 7",
         "driver go12ab.sh there",
         "the next lease re-measures it",
