@@ -49,7 +49,9 @@ def rollout(ray_cluster, tiny_model, tmp_path_factory):
     from molt_rollout.config import RefitConfig, RouterConfig, VLLMConfig
     from molt_rollout.engines.service import RolloutService
 
-    vllm = VLLMConfig(num_engines=2, max_model_len=8192, dtype="float32", startup_timeout_s=300)
+    # Eager, as the quickstart runs: compiling the tiny model costs each start 5 s for nothing.
+    vllm = VLLMConfig(num_engines=2, max_model_len=8192, dtype="float32",
+                      startup_timeout_s=300, enforce_eager=True)  # fmt: skip
     service = RolloutService.start(tiny_model, vllm, RouterConfig(), RefitConfig(bucket_mb=1),
                                    str(tmp_path_factory.mktemp("logs")), on_gpu=False)  # fmt: skip
     yield service

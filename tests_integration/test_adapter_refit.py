@@ -56,7 +56,8 @@ def adapter_dir(tmp_path_factory) -> Path:
 def served(ray_cluster, tiny_model, tmp_path_factory, adapter_dir):
     """The engine serving adapters and the two-rank LoRA policy linked to it, built as a run
     builds them: the policy while the engine starts."""
-    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32", startup_timeout_s=300)
+    vllm = VLLMConfig(num_engines=1, max_model_len=2048, dtype="float32",
+                      startup_timeout_s=300, enforce_eager=True)  # fmt: skip
     cfg = ActorConfig(model_path=tiny_model, num_workers=2, max_tokens_per_microbatch=256,
                       optim=OptimConfig(lr=2e-2), lora=LORA)  # fmt: skip
     service, group = start_concurrently(

@@ -8,7 +8,7 @@ from molt_rollout.engines.engine import EngineError, EngineGroup
 
 
 def test_engine_that_cannot_start_reports_its_log(ray_cluster, tmp_path):
-    cfg = VLLMConfig(num_engines=1, startup_timeout_s=120)
+    cfg = VLLMConfig(num_engines=1, startup_timeout_s=120, enforce_eager=True)
     engines = EngineGroup(
         cfg, str(tmp_path / "no-such-model"), "molt_gloo", str(tmp_path), on_gpu=False
     )

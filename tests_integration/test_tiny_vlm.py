@@ -80,7 +80,7 @@ def engine(tiny_vlm, tmp_path_factory):
     from molt_rollout.engines.engine import EngineServer
     from molt_rollout.refit.control import transfer_backend
 
-    cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32",
+    cfg = VLLMConfig(num_engines=1, max_model_len=512, dtype="float32", enforce_eager=True,
                      extra_args=["--limit-mm-per-prompt", '{"image": 2}',
                                  "--enable-prompt-tokens-details"])  # fmt: skip
     backend = transfer_backend(RefitConfig(), on_gpu=False)

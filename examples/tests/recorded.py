@@ -93,8 +93,9 @@ def read_traces(directory: Path) -> list[dict]:
 
 def molt_train(run_dir: Path, *flags: str) -> None:
     """`molt-train` in a process of its own, writing to `run_dir`; fails with its output."""
-    cmd = [sys.executable, "-m", "molt_train.cli", *flags, "--train.output_dir",
-           str(run_dir.parent), "--logger.run_name", run_dir.name]  # fmt: skip
+    # Eager, as the quickstart runs: compiling the tiny model costs each start 5 s for nothing.
+    cmd = [sys.executable, "-m", "molt_train.cli", *flags, "--vllm.enforce_eager", "True",
+           "--train.output_dir", str(run_dir.parent), "--logger.run_name", run_dir.name]  # fmt: skip
     # The runner actors import the examples by name (installed or not) and load the test file as
     # the agent, which imports this module.
     paths = (str(EXAMPLES), str(EXAMPLES / "tests"), os.environ.get("PYTHONPATH"))
