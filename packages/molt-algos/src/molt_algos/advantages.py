@@ -184,14 +184,10 @@ class _ActionLayout:
 
 def _result(advantages: Tensor, mask: Tensor, returns: Tensor | None = None, **extra) -> Advantages:
     low, high = masked_min_max(advantages, mask)
-    metrics = {
-        "advantage/mean": masked_mean(advantages, mask),
-        "advantage/std": masked_std(advantages, mask),
-        "advantage/min": low,
-        "advantage/max": high,
-        **{f"advantage/{name}": value for name, value in extra.items()},
-    }
-    return Advantages(advantages, returns, to_floats(metrics))
+    mean, std = masked_mean(advantages, mask), masked_std(advantages, mask)
+    stats = {"mean": mean, "std": std, "min": low, "max": high, **extra}
+    metrics = to_floats({f"advantage/{name}": value for name, value in stats.items()})
+    return Advantages(advantages, returns, metrics)
 
 
 # --- group estimators: one scalar per rollout ---------------------------------------------------
@@ -203,26 +199,18 @@ def _broadcast(batch: AdvantageBatch, rollouts: _Rollouts, per_rollout: Tensor, 
     return _result(torch.where(mask, per_row, torch.zeros_like(per_row)), mask, **extra)
 
 
-def grpo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
-    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased; a singleton gets 0."""
+def group_relative(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
+    """From R_i - mean_g R (a singleton gets 0): GRPO divides it by std_g R + eps (std unbiased),
+    RLOO scales it by n / (n - 1), giving R_i - mean_{j != i} R_j, and Dr. GRPO takes it as it
+    is (no std division: no difficulty bias; no whitening)."""
     rollouts = _Rollouts.from_batch(batch)
-    mean, std, _ = rollouts.group_mean_std()
-    return _broadcast(batch, rollouts, (rollouts.rewards - mean) / (std + cfg.eps))
-
-
-def dr_grpo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
-    """Dr. GRPO: A_i = R_i - mean_g R. No std division (no difficulty bias), no whitening."""
-    rollouts = _Rollouts.from_batch(batch)
-    mean, _, _ = rollouts.group_mean_std()
-    return _broadcast(batch, rollouts, rollouts.rewards - mean)
-
-
-def rloo(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
-    """RLOO: A_i = R_i - mean_{j != i} R_j = n / (n - 1) (R_i - mean_g R); a singleton gets 0."""
-    rollouts = _Rollouts.from_batch(batch)
-    mean, _, count = rollouts.group_mean_std()
-    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return _broadcast(batch, rollouts, scale * (rollouts.rewards - mean))
+    mean, std, count = rollouts.group_mean_std()
+    centred = rollouts.rewards - mean
+    if cfg.estimator == "grpo":
+        centred = centred / (std + cfg.eps)
+    elif cfg.estimator == "rloo":
+        centred = torch.where(count > 1, count / (count - 1).clamp(min=1), 0.0) * centred
+    return _broadcast(batch, rollouts, centred)
 
 
 def flash_reinforce(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages:
@@ -283,9 +271,9 @@ def on_policy_distill(batch: AdvantageBatch, cfg: AdvantageConfig) -> Advantages
 ADVANTAGE_ESTIMATORS = {
     "reinforce": Estimator(reinforce, Needs(kl_reward=True)),
     "reinforce_baseline": Estimator(reinforce, Needs(groups=True, kl_reward=True)),
-    "rloo": Estimator(rloo, Needs(groups=True)),
-    "grpo": Estimator(grpo, Needs(groups=True)),
-    "dr_grpo": Estimator(dr_grpo, Needs(groups=True)),
+    "rloo": Estimator(group_relative, Needs(groups=True)),
+    "grpo": Estimator(group_relative, Needs(groups=True)),
+    "dr_grpo": Estimator(group_relative, Needs(groups=True)),
     "flash_reinforce": Estimator(flash_reinforce, Needs()),
     "gae": Estimator(gae, Needs(critic=True, kl_reward=True)),
     "on_policy_distill": Estimator(on_policy_distill, Needs(reference=True)),

@@ -66,13 +66,6 @@ def importance_correction(
     the tokens sampled by the weights being trained, over which `is/vllm_kl` is measured."""
     weights, keep, log_rho, row_mean = _weights(old_logprobs, rollout_logprobs, mask, cfg)
     rho = log_rho.exp()
-    gate_metrics = {}
-    if row_mean is not None:
-        rows, name = mask.any(-1), cfg.is_correction_gating
-        gate_metrics = {
-            f"is/seq_{name}_mean": masked_mean(row_mean, rows),
-            f"is/seq_{name}_max": masked_min_max(row_mean, rows)[1],
-        }
     ratio_min, ratio_max = masked_min_max(rho, mask)
     current = mask if version_match is None else mask & version_match
     metrics = {
@@ -83,7 +76,11 @@ def importance_correction(
         "is/ratio_mean": masked_mean(rho, mask),
         "is/ratio_max": ratio_max,
     }
-    return Correction(weights, keep, to_floats({**metrics, **gate_metrics}))
+    if row_mean is not None:
+        rows, name = mask.any(-1), cfg.is_correction_gating
+        metrics[f"is/seq_{name}_mean"] = masked_mean(row_mean, rows)
+        metrics[f"is/seq_{name}_max"] = masked_min_max(row_mean, rows)[1]
+    return Correction(weights, keep, to_floats(metrics))
 
 
 def _weights(

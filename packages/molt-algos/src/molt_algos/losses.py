@@ -81,8 +81,8 @@ def gspo(
     """GSPO: the clipped surrogate of s_i = exp(mean_t log r_{i,t}), per token sg(s_i) * pi(y_t)
     / sg(pi(y_t)): value s_i, gradient s_i grad log pi(y_t). Clip far tighter than PPO (3e-4)."""
     log_ratio = safe_log_ratio(logprobs, old_logprobs, mask)
-    tokens = mask.sum(-1, keepdim=True).clamp(min=1)
-    seq_log_ratio = _zero_outside(log_ratio, mask).sum(-1, keepdim=True) / tokens
+    # safe_log_ratio is 0 outside the mask: the row sums are over the row's tokens.
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     token_log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()
     loss, clipped = _clipped(_zero_outside(token_log_ratio, mask).exp(), advantages.float(), cfg)
     metrics = _ratio_metrics(seq_log_ratio.expand_as(log_ratio), mask, clipped)

@@ -65,11 +65,6 @@ def shape_rewards(
     def mean(x: Tensor) -> Tensor:
         return x.float().mean() if x.numel() else x.float().sum()
 
-    metrics = {
-        "reward/raw_mean": mean(raw),
-        "reward/shaped_mean": mean(shaped),
-        "reward/overlong_penalty_mean": mean(penalty),
-        "reward/overlong_frac": mean(penalty < 0),
-        "reward/truncated_frac": mean(cut),
-    }
-    return ShapedRewards(shaped, to_floats(metrics))
+    means = {"raw_mean": raw, "shaped_mean": shaped, "overlong_penalty_mean": penalty}
+    means |= {"overlong_frac": penalty < 0, "truncated_frac": cut}
+    return ShapedRewards(shaped, to_floats({f"reward/{k}": mean(v) for k, v in means.items()}))

@@ -4,7 +4,6 @@ splitting), and each processed image's record, which travels with the ids to eng
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import io
 from dataclasses import dataclass, field
@@ -117,12 +116,12 @@ def _b64(payload: str, where: str) -> bytes:
         raise MediaError(f"{where}: the image is larger than {MAX_IMAGE_BYTES} bytes")
     try:
         return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
+    except ValueError as e:  # binascii.Error included
         raise MediaError(f"{where}: not a file path, data URL or base64 image ({e})") from None
 
 
 def _decode(data: bytes, where: str):
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if len(data) > MAX_IMAGE_BYTES:
         raise MediaError(f"{where}: the image is larger than {MAX_IMAGE_BYTES} bytes")
@@ -130,7 +129,7 @@ def _decode(data: bytes, where: str):
         image = Image.open(io.BytesIO(data))
         _checked(image, where)
         image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except (OSError, Image.DecompressionBombError) as e:  # UnidentifiedImageError included
         raise MediaError(f"{where}: not a decodable image ({e})") from None
     return image
 
@@ -235,22 +234,14 @@ def openai_image_parts(messages: list[dict], pool: list | None = None) -> list[d
         url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         return {"type": "image_url", "image_url": {"url": url}}
 
-    out = []
-    for message in messages:
-        content = message.get("content")
-        content = [part(p) for p in content] if isinstance(content, list) else content
-        out.append({**message, "content": content})
-    return out
+    def content(parts: Any) -> Any:
+        return [part(p) for p in parts] if isinstance(parts, list) else parts
+
+    return [{**message, "content": content(message.get("content"))} for message in messages]
 
 
 def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
     """(offset, length) of each maximal run of `token_id` in `ids`."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != token_id:
-            continue
-        if runs and sum(runs[-1]) == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+    # Where the runs start and end, in turn: every change between `token_id` and another id.
+    edges = np.flatnonzero(np.diff(np.asarray(ids) == token_id, prepend=False, append=False))
+    return [(int(start), int(end - start)) for start, end in edges.reshape(-1, 2)]

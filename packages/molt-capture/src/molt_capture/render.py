@@ -168,15 +168,13 @@ class ChatRenderer:
         return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_messages(self, text: str, messages: list[dict], where: str) -> ImagePrompt:
-        if self.images is None:
-            return ImagePrompt(self.encode(text))
         try:
-            sources = message_images(messages, where=where)
-            if not sources:
-                return ImagePrompt(self.encode(text))
-            return self.images.encode(text, sources, where)
+            sources = [] if self.images is None else message_images(messages, where=where)
+            if sources:
+                return self.images.encode(text, sources, where)
         except MediaError as e:
             raise CaptureError(400, str(e), where) from e
+        return ImagePrompt(self.encode(text))
 
     def _closing_ids(self) -> list[int]:
         """The template's tokens after an assistant message's content (Qwen: `<|im_end|>\\n`)."""

@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from . import wire
-from .errors import CaptureError
 from .openai_wire import error_body as error_body  # the same error shape as Chat Completions
 from .render import tool_call_message
 from .session import ChatRequest, TurnResult
@@ -100,7 +99,7 @@ def parse_request(
         raise wire.refuse("previous_response_id", why)
     new, where = _to_template(req.input, images)
     if not new:
-        raise CaptureError(400, "input must hold at least one item", "input")
+        raise wire.refuse("input", "must hold at least one item")
     wire.check_tool_results([*history, *new], ["previous_response_id"] * len(history) + where)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages = [*system, *history, *new]

@@ -201,13 +201,12 @@ class CaptureServer:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        chunks, size = [], 0
+        body = bytearray()
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            body += chunk
+            if len(body) > limit:
                 raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return bytes(body)
 
     def _check_auth(self, request: Request) -> None:
         if not self.api_key:

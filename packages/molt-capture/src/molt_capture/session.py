@@ -189,13 +189,13 @@ class Session:
         seg.append_context(plan.context.token_ids, plan.context.images)
         seg.append_generation(gen, plan.params.max_tokens)
         closing = renderer.missing_closing(gen.token_ids)
-        if gen.finish_reason == "length" and plan.params.max_tokens == plan.room:
-            seg.truncated = True  # stopped by the context, not by the request
-        elif len(seg) + len(closing) <= self.config.max_len:
+        # Stopped by the context (not by the request), or no room left for the closing tokens.
+        by_context = gen.finish_reason == "length" and plan.params.max_tokens == plan.room
+        if by_context or len(seg) + len(closing) > self.config.max_len:
+            seg.truncated = True
+        else:
             # The template's end-of-turn tokens, so the trace reads as the template renders it.
             seg.append_context(closing)
-        else:
-            seg.truncated = True
         earlier = self._history if plan.extend else []
         self._history = [*earlier, *req.messages[len(earlier) :], reply]
         self._tools = req.tools

@@ -136,15 +136,11 @@ class Segment:
             self.routed_experts = rows
         elif self.routed_experts is not None:
             self.routed_experts += [None] * len(gen.token_ids)
-        if gen.top_ids is not None and gen.top_logprobs is not None:
-            if self.top_ids is None or self.top_logprobs is None:
-                self.top_ids = [[] for _ in range(start)]
-                self.top_logprobs = [[] for _ in range(start)]
-            self.top_ids += gen.top_ids
-            self.top_logprobs += gen.top_logprobs
-        elif self.top_ids is not None and self.top_logprobs is not None:
-            self.top_ids += [[] for _ in gen.token_ids]
-            self.top_logprobs += [[] for _ in gen.token_ids]
+        if gen.top_ids is not None and self.top_ids is None:  # the first with top-k: none before it
+            self.top_ids, self.top_logprobs = [[] for _ in range(start)], [[] for _ in range(start)]
+        if self.top_ids is not None and self.top_logprobs is not None:
+            self.top_ids += gen.top_ids or [[] for _ in gen.token_ids]
+            self.top_logprobs += gen.top_logprobs or [[] for _ in gen.token_ids]
         self.turns.append(TurnSpan(start, len(self.token_ids), max_tokens, gen.finish_reason))
 
     @property

@@ -85,8 +85,7 @@ class FunctionDef(WireModel):
             json.dumps(self.parameters, allow_nan=False)
         except ValueError:
             raise refuse(where, "a number is not finite") from None
-        fields = {"name", "description", "parameters"}
-        return {"type": "function", "function": self.model_dump(include=fields, exclude_none=True)}
+        return {"type": "function", "function": self.model_dump(exclude_none=True)}
 
 
 class TextPart(WireModel):

@@ -125,12 +125,12 @@ async def _keep_open() -> None:
 
 def _anthropic_tool(fn: dict[str, Any]) -> dict[str, Any]:
     schema = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {**_named(fn), "input_schema": schema}
+    return {**_given(fn, "name", "description"), "input_schema": schema}
 
 
-def _named(fn: dict[str, Any]) -> dict[str, Any]:
-    described = fn.get("description") is not None
-    return {"name": fn["name"], **({"description": fn["description"]} if described else {})}
+def _given(fn: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """Those of `keys` that `fn` gives a value (not None), in that order."""
+    return {key: fn[key] for key in keys if fn.get(key) is not None}
 
 
 @dataclass
@@ -221,12 +221,8 @@ def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
 def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Tool schemas in the key order the capture server's wires produce (chat templates keep
     key order), so both agent forms render byte-identical prompts."""
-    out = []
-    for tool in tools or []:
-        fn = tool["function"]
-        parameters = {"parameters": fn["parameters"]} if fn.get("parameters") is not None else {}
-        out.append({"type": "function", "function": {**_named(fn), **parameters}})
-    return out or None
+    fns = [_given(tool["function"], "name", "description", "parameters") for tool in tools or []]
+    return [{"type": "function", "function": fn} for fn in fns] or None
 
 
 def check_result(result: Any) -> Result:

@@ -124,11 +124,8 @@ class EnvRunner(Runner):
         return False
 
     def _render_prompt(self, row: dict, messages: list, tools: list | None) -> ImagePrompt:
-        if self.renderer is None:  # a base-model prompt: the text as the dataset wrote it
-            if not isinstance(row["prompt"], str):
-                raise RolloutDropped(
-                    "bad_row", "apply_chat_template is off but the prompt is not a string"
-                )
+        # A base-model prompt: the text as the dataset wrote it (a string: load_datasets checks).
+        if self.renderer is None:
             return ImagePrompt(self.tokenizer.encode(row["prompt"]))
         try:
             text = self.renderer.render(messages, tools, True)

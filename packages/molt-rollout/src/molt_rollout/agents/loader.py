@@ -77,9 +77,7 @@ def _import(path_or_module: str):
         return module
     try:
         return importlib.import_module(path_or_module)
-    except ModuleNotFoundError as e:
-        if e.name and path_or_module.startswith(e.name):
+    except Exception as e:  # the module itself missing, or its import failing
+        if isinstance(e, ModuleNotFoundError) and e.name and path_or_module.startswith(e.name):
             raise AgentLoadError(f"no module named {path_or_module!r}") from e
-        raise AgentLoadError(f"importing {path_or_module} failed: {e}") from e
-    except Exception as e:
         raise AgentLoadError(f"importing {path_or_module} failed: {type(e).__name__}: {e}") from e

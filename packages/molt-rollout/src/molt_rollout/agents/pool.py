@@ -161,15 +161,12 @@ class RolloutPool:
                 self._want = self.batch_size
                 self._cond.notify_all()
             try:
-                while not self._ready(version):
-                    remaining = None if timeout_s is None else t0 + timeout_s - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError(
-                            f"next_batch waited {timeout_s} s: {len(self._finished)} of "
-                            f"{self.batch_size} groups finished, {len(self._pending)} in "
-                            f"flight, {len(self._queue)} queued"
-                        )
-                    self._cond.wait(remaining)
+                if not self._cond.wait_for(lambda: self._ready(version), timeout_s):
+                    raise TimeoutError(
+                        f"next_batch waited {timeout_s} s: {len(self._finished)} of "
+                        f"{self.batch_size} groups finished, {len(self._pending)} in "
+                        f"flight, {len(self._queue)} queued"
+                    )
                 batch = self._assemble(version, time.monotonic() - t0)
             finally:
                 if self.force_on_policy:

@@ -103,9 +103,7 @@ def top_candidates(entries: list[dict], k: int) -> dict:
         return {}
     ids, logprobs = [], []
     for entry in entries:
-        best: dict[int, float] = {}
-        for candidate in entry.get("top_logprobs") or []:
-            best[int(candidate["token_id"])] = float(candidate["logprob"])
+        best = {int(c["token_id"]): float(c["logprob"]) for c in entry.get("top_logprobs") or []}
         if not best:
             raise GenerationError(f"asked for top-{k} log-probs, the engine returned none")
         head = sorted(best.items(), key=lambda item: -item[1])[:k]

@@ -113,10 +113,9 @@ def main(argv: list[str]) -> int:
         grace_s = min(grace_s, ORPHAN_GRACE_S)
     # The server if it still runs, and any child it left behind; this process has a handler.
     _signal_group(os.getpgid(0), signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if child.poll() is None:
+    try:
+        return child.wait(grace_s)
+    except subprocess.TimeoutExpired:
         _signal_group(os.getpgid(0), signal.SIGKILL)  # what is left, this process included
     return child.wait()
 

@@ -115,8 +115,6 @@ class BufferIpcEngine(IPCWeightTransferEngine):
         # In place: vLLM's loader runs once per bucket layout, recorded; later refits with the
         # same layout replay its copies in one call (its Python per tensor was most of a
         # refit: docs/performance.md).
-        if not update_info.names:
-            return
         shapes = tuple(map(tuple, update_info.shapes))
         key = (slot, tuple(update_info.names), tuple(update_info.dtype_names), shapes)
         if key not in self.plans:
@@ -173,8 +171,7 @@ def record_copies(model: torch.nn.Module, weights: list, staging: torch.Tensor) 
         logger.info("%s: a bucket keeps vLLM's loader: it does more than copy", BACKEND)
         return None
     logger.info("%s: a bucket loads by replaying %d copies", BACKEND, len(recorder.copies))
-    destinations, sources = map(list, zip(*recorder.copies, strict=True))
-    return [destinations, sources]
+    return [list(side) for side in zip(*recorder.copies, strict=True)]  # destinations, sources
 
 
 def loads_in_place(model: torch.nn.Module, vllm_config) -> bool:
