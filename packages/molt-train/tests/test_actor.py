@@ -353,7 +353,7 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
     steps, states = [], []
     for checkpointing in (False, True):
         cfg = config(moe, 1, gradient_checkpointing=checkpointing, freeze_moe_router=True)
-        group = ModelGroup(cfg, FSDPConfig(), on_gpu=False, routing_replay=True)
+        group = ModelGroup(cfg, FSDPConfig(), on_gpu=False, routing="replay")
         try:
             replayed = group.forward_logprobs(samples)
             plain = [Sample(s.token_ids, s.loss_mask, s.temperature) for s in samples]
@@ -370,6 +370,7 @@ def test_moe_replay_checkpointing_and_frozen_router(ray_cluster, tmp_path):
             group.shutdown()
     for key in ("loss/policy", "train/grad_norm", "loss/entropy"):
         assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-6), key
+    assert [step["routing/agreement"] for step in steps] == [1.0, 1.0]  # the recorded experts
     routers = router_params(list(initial))
     assert routers == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
     for name, tensor in states[1]["model"].items():

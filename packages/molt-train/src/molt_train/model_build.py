@@ -45,10 +45,10 @@ def distributed_setup(cfg: ActorConfig, fsdp, world_size: int, compute, offload:
 
 
 def build_model(
-    path: str, cfg: ActorConfig, role, lora: LoRAConfig | None, routing_replay, device, distributed
+    path: str, cfg: ActorConfig, role, lora: LoRAConfig | None, routing, device, distributed
 ) -> torch.nn.Module:
     if device.type == "cuda" and role != "critic":
-        return _automodel(path, cfg, lora, routing_replay, distributed)
+        return _automodel(path, cfg, lora, routing, distributed)
     from nemo_automodel.components._peft.lora import apply_lora_to_linear_modules
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from transformers import AutoModelForTokenClassification
@@ -75,14 +75,14 @@ def build_model(
 
 
 def _automodel(
-    path: str, cfg: ActorConfig, lora: LoRAConfig | None, routing_replay: bool, distributed
+    path: str, cfg: ActorConfig, lora: LoRAConfig | None, routing: str | None, distributed
 ) -> torch.nn.Module:
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
     from nemo_automodel.components.utils.model_utils import FreezeConfig, ModuleSelector
 
     # No Liger kernels: the trainer computes log-probs itself from the hidden states.
     extra = dict(distributed_setup=distributed, dtype=torch.float32, use_liger_kernel=False)
-    if routing_replay:  # each native gate gets a RouterReplay handle
+    if routing:  # each native gate gets a RouterReplay handle (replaying or not)
         extra["moe_overrides"] = {"enable_routing_replay": True}
     if cfg.freeze_moe_router:  # applied before sharding
         router = ModuleSelector(glob="*" + ROUTER_MARKER.rstrip("."))

@@ -29,8 +29,9 @@ def group_token_counts(samples: list[Sample], groups: list | None) -> tuple[int,
 
 
 class ModelGroup:
-    """`routing_replay`: forwards take each token's MoE routing from its Sample. `colocation`:
-    (placement group, GPU share) when sharing bundles with the engines (rank i in bundle i)."""
+    """`routing` ("compare" or "replay"): forwards compare their MoE routing with the engine's
+    in each Sample, or take that (molt_train.routing_replay). `colocation`: (placement group,
+    GPU share) when sharing bundles with the engines (rank i in bundle i)."""
 
     def __init__(
         self,
@@ -38,7 +39,7 @@ class ModelGroup:
         fsdp: FSDPConfig,
         role: Role = "policy",
         on_gpu: bool | None = None,
-        routing_replay: bool = False,
+        routing: str | None = None,
         colocation: tuple | None = None,
     ) -> None:
         self.on_gpu = ray.cluster_resources().get("GPU", 0) > 0 if on_gpu is None else on_gpu
@@ -49,12 +50,12 @@ class ModelGroup:
         # On GPU rank i is in bundle i: of one of its own, or of one shared with the engines.
         alone = self.on_gpu and colocation is None
         self.placement = gpu_bundles(n, cfg.ray_resources) if alone else None
-        self.workers = [self._worker(rank, fsdp, routing_replay, colocation) for rank in range(n)]
+        self.workers = [self._worker(rank, fsdp, routing, colocation) for rank in range(n)]
         address, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=600)
         # Whether microbatches are padded rows instead of packed ones (ModelWorker.setup).
         self.padded = self._all(lambda r, w: w.setup.remote(self.model_path, address, port))[0]
 
-    def _worker(self, rank: int, fsdp: FSDPConfig, routing_replay: bool, colocation):
+    def _worker(self, rank: int, fsdp: FSDPConfig, routing: str | None, colocation):
         """Rank `rank`'s Ray actor; on CPU with no core of its own (the engines need them)."""
         # Imported here: its modelling stack costs the driver seconds, paid after the engines'
         # start began.
@@ -70,7 +71,7 @@ class ModelGroup:
             options |= {"num_gpus": share, "num_cpus": 0 if colocation else 1}
             options["scheduling_strategy"] = strategy
         remote = ray.remote(ModelWorker).options(**options)
-        return remote.remote(cfg, fsdp, self.role, rank, n, self.on_gpu, routing_replay)
+        return remote.remote(cfg, fsdp, self.role, rank, n, self.on_gpu, routing)
 
     def _all(self, call) -> list:
         """`call(rank, worker)` on every worker, failing fast (the rest would wait in a collective)."""

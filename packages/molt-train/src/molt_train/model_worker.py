@@ -29,7 +29,7 @@ from molt_train.checkpoint import rng_state, set_rng_state
 from molt_train.context_parallel import CONTEXT_ATTENTION, ContextShard, context_attention
 from molt_train.model_build import build_model, distributed_setup, is_multimodal
 from molt_train.packing import PackedBatch, Sample, pack
-from molt_train.routing_replay import install_replay_hooks, moe_routers, replaying
+from molt_train.routing_replay import agreement, install_replay_hooks, moe_routers, replaying
 from molt_train.step_metrics import StepMetrics, peak_memory_gb
 from molt_train.token_stats import TokenStats, packed_token_stats, packs_sequences
 from molt_train.weights_out import WeightsOut
@@ -39,10 +39,10 @@ class ModelWorker:
     """One rank of a policy, reference or critic; every method runs on every rank at once."""
 
     def __init__(
-        self, cfg: ActorConfig, fsdp, role, rank, world_size, on_gpu, routing_replay=False
+        self, cfg: ActorConfig, fsdp, role, rank, world_size, on_gpu, routing=None
     ) -> None:
         self.cfg, self.fsdp, self.role = cfg, fsdp, role
-        self.routing_replay = routing_replay  # molt_train.routing_replay
+        self.routing = routing  # None, "compare" or "replay": molt_train.routing_replay
         self.rank, self.world_size, self.on_gpu = rank, world_size, on_gpu
         self.compute = DTYPES[cfg.dtype] if on_gpu else torch.float32
         # The ranks FSDP averages gradients over (data x context parallel): each loss is
@@ -81,15 +81,15 @@ class ModelWorker:
         # Every rank initialises new weights (the critic's value head) identically.
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(
-            path, self.cfg, self.role, self.lora, self.routing_replay, self.device, self.distributed
+            path, self.cfg, self.role, self.lora, self.routing, self.device, self.distributed
         )
         self.weights = WeightsOut(self.model, self.device, self.rank, path, self.compute, self.lora)
-        self.routers = moe_routers(self.model) if self.routing_replay else []
-        if self.routing_replay and not self.routers:
+        self.routers = moe_routers(self.model) if self.routing else []
+        if self.routing and not self.routers:
             raise ValueError(
-                f"--train.routing_replay: {path} has no MoE router the trainer can replay "
-                "(AutoModel's native MoE classes on GPU; transformers' Qwen3-MoE, Qwen2-MoE and "
-                "Mixtral routers on CPU)"
+                f"--vllm.enable_return_routed_experts: {path} has no MoE router the trainer "
+                "can compare or replay (AutoModel's native MoE classes on GPU; transformers' "
+                "Qwen3-MoE, Qwen2-MoE and Mixtral routers on CPU)"
             )
         install_replay_hooks(self.routers)
         self._choose_layout()
@@ -166,7 +166,7 @@ class ModelWorker:
         kept = []
         for samples in microbatches:
             batch = pack(samples, self.device, self.padded)
-            with replaying(self.routers, batch.routing):
+            with replaying(self.routers, batch.routing, self.routing == "replay"):
                 kept.append((samples, batch, self._token_stats(batch, False).logprobs))
         self._reshard()
         # Read back after the loop: a read per microbatch would leave the GPU idle while the
@@ -212,16 +212,20 @@ class ModelWorker:
                 rows = torch.tensor(group_tokens[i] or [1], dtype=torch.float32)
             window = AggregationWindow(num_tokens, num_sequences, num_groups, rows)
             # Backward too: activation checkpointing reruns the forward there.
-            with replaying(self.routers, batch.routing):
+            with replaying(self.routers, batch.routing, self.routing == "replay"):
                 objective = self._objective(batch, algo, window, sft, value_clip)
                 objective.loss.backward()
             metrics.add(objective.totals, objective.per_token, batch.inputs.mask.sum())
             if return_logprobs:
                 kept.append((samples, batch, objective.old_logprobs))
+        metrics.add(agreement(self.routers) if self.routers else {}, {}, 0)  # this step's passes
         step = self._optimizer_step()
         # TP and CP ranks of one data-parallel group hold the same (whole-row) values.
         replicas = self.fsdp.tp_size * self.fsdp.cp_size
         step |= metrics.reduce(num_tokens, replicas, self.device)
+        agreed, compared = step.pop("routing/agreed", 0), step.pop("routing/compared", 0)
+        if compared:  # MoE with the engine's routing (molt_train.routing_replay)
+            step["routing/agreement"] = agreed / compared
         step["train/tokens"] = float(num_tokens)
         if not return_logprobs:
             return step

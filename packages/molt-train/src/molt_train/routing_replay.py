@@ -1,4 +1,5 @@
-"""MoE routing replay (`--train.routing_replay`): routers take the engine's recorded experts."""
+"""MoE routing against the engine's: `routing/agreement` always, replay with
+`--train.routing_replay` (routers take the engine's recorded experts)."""
 
 # The weights stay the router's own probabilities at those experts.
 
@@ -48,41 +49,68 @@ def _replay_hook(router: torch.nn.Module, inputs, output):
     return logits, chosen.to(weights.dtype), target
 
 
+def _agreement_hook(router: torch.nn.Module, inputs, output) -> None:
+    """Counts the tokens whose expert set is the engine's, after any replay took effect."""
+    engine = router._molt_engine  # [tokens, top_k], -1 where the engine reported none
+    if engine is None:
+        return
+    used = output[1] if getattr(router, "router_replay", None) is not None else output[2]
+    known = (engine >= 0).all(-1)
+    same = (used.sort(-1).values == engine.sort(-1).values).all(-1) & known
+    router._molt_agreed.append(torch.stack([same.sum(), known.sum()]))
+
+
 def install_replay_hooks(routers: list[tuple[int, torch.nn.Module]]) -> None:
-    """Once per model: transformers routers replay whatever `replaying` hands them."""
+    """Once per model: transformers routers replay whatever `replaying` hands them; every
+    router counts its agreement with the engine (read by `agreement`)."""
     for _, router in routers:
+        router._molt_engine, router._molt_agreed = None, []
         if getattr(router, "router_replay", None) is None:
             router._molt_replay = None
             router.register_forward_hook(_replay_hook)
+        router.register_forward_hook(_agreement_hook)
+
+
+def agreement(routers: list[tuple[int, torch.nn.Module]]) -> dict[str, Tensor]:
+    """(token, layer) pairs routed as the engine did, and those compared, since the last call."""
+    counts = [count for _, router in routers for count in router._molt_agreed]
+    for _, router in routers:
+        router._molt_agreed = []
+    agreed, known = torch.stack(counts).sum(0) if counts else torch.zeros(2)
+    return {"routing/agreed": agreed, "routing/compared": known}
 
 
 @contextlib.contextmanager
-def replaying(routers: list[tuple[int, torch.nn.Module]], routing: Tensor | None) -> Iterator[None]:
-    """Every router takes its layer's recorded choices inside the block (recomputations too)."""
+def replaying(routers: list, routing: Tensor | None, replay: bool = True) -> Iterator[None]:
+    """Inside the block (recomputations too) every router compares its experts with its
+    layer's recorded ones and, with `replay`, takes those."""
     if routing is None:
         yield
         return
     from nemo_automodel.components.moe.router_replay import RouterReplayMode
 
+    # Tokens the engine reported no experts for (and padding) go to experts 0..k-1: their
+    # outputs reach no trained log-prob.
+    fill = torch.arange(routing.shape[-1], device=routing.device).expand_as(routing)
+    target = torch.where(routing < 0, fill, routing)
     for layer, router in routers:
         if layer >= routing.shape[0]:
             raise ValueError(f"routing replay: no recorded routing for decoder layer {layer}")
         native = getattr(router, "router_replay", None)
-        if native is not None:
-            native.set_target(routing[layer])
+        router._molt_engine = routing[layer]
+        if replay and native is not None:
+            native.set_target(target[layer])
             native.mode = RouterReplayMode.REPLAY
-        else:
-            router._molt_replay = routing[layer]
+        elif replay:
+            router._molt_replay = target[layer]
     try:
         yield
     finally:
         for _, router in routers:
-            native = getattr(router, "router_replay", None)
-            if native is not None:
+            router._molt_engine = router._molt_replay = None
+            if (native := getattr(router, "router_replay", None)) is not None:
                 native.clear()
                 native.mode = None
-            else:
-                router._molt_replay = None
 
 
 def routing_array(rows: list) -> np.ndarray:
@@ -98,13 +126,10 @@ def routing_array(rows: list) -> np.ndarray:
 
 
 def microbatch_routing(arrays: list[np.ndarray], width: int | None) -> Tensor:
-    """Per-sample routing arrays -> the microbatch's [layers, tokens, top_k] tensor."""
-    # Concatenated, or each padded to `width` (padded rows); rows without routing go to
-    # experts 0..k-1: their outputs reach no trained log-prob.
+    """Per-sample routing arrays, concatenated or each padded to `width` (padded rows; -1) ->
+    the microbatch's [layers, tokens, top_k] tensor."""
     if width is not None:
         arrays = [
             np.pad(a, ((0, width - len(a)), (0, 0), (0, 0)), constant_values=-1) for a in arrays
         ]
-    routing = torch.from_numpy(np.concatenate(arrays)).long()
-    fill = torch.arange(routing.shape[-1]).expand_as(routing)
-    return torch.where(routing < 0, fill, routing).permute(1, 0, 2).contiguous()
+    return torch.from_numpy(np.concatenate(arrays)).long().permute(1, 0, 2).contiguous()

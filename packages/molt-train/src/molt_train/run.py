@@ -232,10 +232,12 @@ def start_parts(cfg: RunConfig, run_dir: Path, on_gpu: bool) -> tuple:
         network.token,
     )
     builders = [runners]
+    # The policy compares its MoE routing with the engine's, or replays it.
+    compare = "compare" if cfg.vllm.enable_return_routed_experts else None
+    routing = {"policy": "replay" if cfg.train.routing_replay else compare}
     for role in ("policy", "reference", "critic"):  # no reference or critic: None
-        replay = cfg.train.routing_replay and role == "policy"
         model = functools.partial(
-            ModelGroup, models.get(role), cfg.fsdp, role, on_gpu, replay, share
+            ModelGroup, models.get(role), cfg.fsdp, role, on_gpu, routing.get(role), share
         )
         builders.append(model if role in models else lambda: None)
     if bundles is None:
