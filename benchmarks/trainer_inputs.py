@@ -47,9 +47,10 @@ def write_random_model(
     print(f"wrote {path}")
 
 
-def random_samples(vocab: int, count: int, length: int, seed: int) -> list:
-    """`count` samples of about `length` tokens (mixed, as rollouts are): a quarter prompt, the
-    rest trained, advantages of alternating sign."""
+def random_samples(vocab: int, count: int, length: int, seed: int, trained: float = 0.75) -> list:
+    """`count` samples of about `length` tokens (mixed, as rollouts are): the last `trained`
+    share trained, the rest prompt (an agent's rows: a quarter trained, the prompt and tool
+    outputs the rest), advantages of alternating sign."""
     from molt_train.packing import Sample
 
     generator = torch.Generator().manual_seed(seed)
@@ -57,7 +58,7 @@ def random_samples(vocab: int, count: int, length: int, seed: int) -> list:
     for i in range(count):
         n = max(8, length - 37 * (i % 5))
         ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
-        prompt = n // 4
+        prompt = n - max(1, round(n * trained))
         mask = [0] * prompt + [1] * (n - prompt)
         advantages = [(1.0 if i % 2 else -1.0) * m for m in mask]
         samples.append(Sample(token_ids=ids, loss_mask=mask, advantages=advantages))

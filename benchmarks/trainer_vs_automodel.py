@@ -133,7 +133,7 @@ def make_inputs(args, worker, vocab: int, seq_len: int) -> Inputs:
     from molt_train.packing import plan_microbatches
 
     count = max(1, args.tokens_per_step // seq_len)
-    samples = random_samples(vocab, count, seq_len, seed=seq_len)
+    samples = random_samples(vocab, count, seq_len, seed=seq_len, trained=args.trained_share)
     plan = plan_microbatches(samples, args.max_tokens_per_microbatch, 1, worker.padded)
     microbatches = [[samples[i] for i in mb] for mb in plan[0]]
     bare = []
@@ -426,6 +426,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-lens", default="2048,8192")
     p.add_argument("--default-seq-len", type=int, help="the summary's; default: the first")
     p.add_argument("--tokens-per-step", type=int, default=16384)
+    p.add_argument("--trained-share", type=float, default=0.75, help="0.25: an agent's rows")
     p.add_argument("--max-tokens-per-microbatch", type=int, default=8192)
     p.add_argument("--entropy-coefs", default="0,0.01")
     p.add_argument("--warmup", type=int, default=1)

@@ -145,6 +145,7 @@ class PackedBatch:
     inputs: TokenInputs  # [S, L] per token: the loss mask, advantages, ... (molt_algos)
     temperature: float
     lengths: list[int]
+    trained: Tensor  # [N] flat index into input_ids of the trained tokens, in row order
     routing: Tensor | None = None  # [layers, input_ids.numel(), top_k] experts to replay
     # [S + 1] int32 offsets of the sequences in a packed row (0, n_0, n_0 + n_1, ...), for
     # document-masked attention (molt_train.attention); None for padded rows
@@ -157,6 +158,11 @@ class PackedBatch:
         """Values shaped like input_ids -> [S, L] per sequence and token, 0 where padded."""
         flat = per_position.flatten()
         return torch.where(self.valid, flat[self.row_index], torch.zeros_like(flat[:1]))
+
+    def from_trained(self, values: Tensor) -> Tensor:
+        """[N] values of the trained tokens, in row order -> [S, L] rows, 0 elsewhere."""
+        out = torch.zeros(self.valid.shape, dtype=values.dtype, device=values.device)
+        return out.masked_scatter(self.inputs.mask, values)
 
     def per_sample(self, rows: Tensor) -> list[np.ndarray]:
         """[S, L] -> one float32 array per sequence, 0.0 off the loss mask (a host read)."""
@@ -195,9 +201,9 @@ def pack(
         routing = microbatch_routing(routing, width if padded else None)
     inputs = TokenInputs(mask, **per_token, sampler_head_logprobs=head_logprobs)
     temperature, images = temperatures.pop(), _images(samples)
-    batch = PackedBatch(
-        ids, positions, index, valid, inputs, temperature, lengths, routing, offsets, heads, images
-    )
+    # The trained tokens' positions, selected here on the host: on the device it would wait.
+    batch = PackedBatch(ids, positions, index, valid, inputs, temperature, lengths, index[mask])
+    batch = replace(batch, routing=routing, cu_seqlens=offsets, head_ids=heads, images=images)
     return _to(batch, device)
 
 

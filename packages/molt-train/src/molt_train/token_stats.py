@@ -50,6 +50,16 @@ def packed_token_stats(
     predicting = targets.shape[1]  # the first positions of the model's output
     if critic:
         return TokenStats(rows(model(**inputs).logits[:, :predicting, 0].float()))
+    if from_hidden and shard is None and batch.head_ids is None:
+        # The LM head only where the loss reads a log-prob: an agent's prompts and tool
+        # outputs, most of its rows, never reach it. Token p is predicted at position p - 1.
+        hidden, weight = _final_hidden(model, inputs, batch.input_ids.shape[1])
+        states = hidden.flatten(0, 1)[batch.trained - 1]
+        trained_ids = batch.input_ids.flatten()[batch.trained]
+        logprobs, entropy = token_logprobs_and_entropy(
+            states, weight, trained_ids, batch.temperature, chunk, with_entropy
+        )
+        return TokenStats(*(v if v is None else batch.from_trained(v) for v in (logprobs, entropy)))
     if not from_hidden:
         # Under TP the LM head is vocabulary-sharded and its logits come out as a DTensor:
         # gather them (the gradient goes back to each rank's own vocabulary slice).
