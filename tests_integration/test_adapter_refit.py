@@ -179,38 +179,38 @@ def stream_generate(url: str, model: str, length: int, on_first_tokens) -> dict:
             logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
             final = choice
     # The engine's own per-token versions: the last chunk has the spans of the whole output.
-    versions = [span["version"] for span in final.get("weight_versions") or []]
-    return {"token_ids": token_ids, "logprobs": logprobs, "versions": versions}
+    spans = final.get("weight_versions") or []
+    return {"token_ids": token_ids, "logprobs": logprobs,
+            "versions": [span["version"] for span in spans],
+            "paused_at": spans[0]["end"] / length}  # fmt: skip
 
 
-def held_across(policy: ModelGroup, url: str, while_paused) -> tuple[int, dict]:
+def held_across(policy: ModelGroup, url: str, while_paused, record_property) -> tuple[int, dict]:
     """A streaming request naming the current version v's adapter, paused (keep) at its first
-    tokens; `while_paused(v)` runs (refits) before the resume. (v, the request's result), or a
-    skip when no try had it mid-generation (the engine can finish before its first chunk
-    reaches us on a loaded machine)."""
+    tokens; `while_paused(v)` runs (refits) before the resume: (v, the request's result). Where
+    the pause took effect is recorded: the margin is how far from the end (docs/development.md,
+    inventory)."""
     pause = lambda: httpx.post(url + "/pause", params={"mode": "keep"}, timeout=30)  # noqa: E731
     paused = lambda: httpx.get(url + "/is_paused", timeout=10).json()["is_paused"]  # noqa: E731
-    for _attempt in range(3):
-        version = weight_version_number(httpx.get(url + "/weight_info").json()["weight_version"])
-        policy.refit(version)  # (loads it where missing: the test may run alone)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(stream_generate, url, SERVING.adapter(version), 1500, pause)
-            deadline = time.monotonic() + 120
-            while not paused() and not held.done():
-                assert time.monotonic() < deadline, "the request never started"
-                time.sleep(0.01)
-            try:
-                while_paused(version)
-            finally:
-                httpx.post(url + "/resume", timeout=30).raise_for_status()
-            result = held.result(timeout=300)
-        if len(set(result["versions"])) > 1:  # the engine's version changed mid-request
-            return version, result
-    pytest.skip("no try had the request mid-generation at the pause (loaded machine)")
+    version = weight_version_number(httpx.get(url + "/weight_info").json()["weight_version"])
+    policy.refit(version)  # (loads it where missing: the test may run alone)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(stream_generate, url, SERVING.adapter(version), 1500, pause)
+        deadline = time.monotonic() + 120
+        while not paused():
+            assert time.monotonic() < deadline and not held.done(), "never paused mid-request"
+            time.sleep(0.01)
+        try:
+            while_paused(version)
+        finally:
+            httpx.post(url + "/resume", timeout=30).raise_for_status()
+        result = held.result(timeout=300)
+    record_property("paused_at", result["paused_at"])
+    return version, result
 
 
 def test_a_request_held_across_a_refit_runs_under_the_adapter_it_named(
-    policy, lora_engine, tiny_model, adapter_dir
+    policy, lora_engine, tiny_model, adapter_dir, record_property
 ):
     """A request naming version v's adapter is paused mid-generation; the trainer steps and
     the refit to v + 1 lands (the engine now reports v + 1, its own per-token versions say so
@@ -221,7 +221,9 @@ def test_a_request_held_across_a_refit_runs_under_the_adapter_it_named(
         train_once(policy, list(range(80, 96)))
         policy.refit(version + 1)  # loads v + 1 while the engine is paused
 
-    version, result = held_across(policy, lora_engine.engine_urls[0], step_and_refit)
+    version, result = held_across(
+        policy, lora_engine.engine_urls[0], step_and_refit, record_property
+    )
     assert result["versions"] == [str(version), str(version + 1)]
     tokens = result["token_ids"]
     named = base_logprobs(tiny_model, tokens, adapter_dir / f"v{version}")
@@ -230,7 +232,9 @@ def test_a_request_held_across_a_refit_runs_under_the_adapter_it_named(
     assert (newer - named).abs().max() > 0.05
 
 
-def test_a_request_that_outlives_the_window_does_not_kill_the_engine(policy, lora_engine):
+def test_a_request_that_outlives_the_window_does_not_kill_the_engine(
+    policy, lora_engine, record_property
+):
     """A request held mid-generation while `keep + 1` refits land: vLLM evicts its adapter
     from its host cache (`--max-cpu-loras keep + 1`) and must reload it from a retired
     version's path at resume. That path holds the retired (B = 0) adapter, so the engine
@@ -241,7 +245,7 @@ def test_a_request_that_outlives_the_window_does_not_kill_the_engine(policy, lor
         for step in range(1, SERVING.keep + 2):
             policy.refit(version + step)
 
-    version, result = held_across(policy, lora_engine.engine_urls[0], refits)
+    version, result = held_across(policy, lora_engine.engine_urls[0], refits, record_property)
     assert lora_engine.engines.dead() == {}
     assert len(result["token_ids"]) == 1500
     generation = sample(lora_engine)
