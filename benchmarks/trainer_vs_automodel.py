@@ -446,6 +446,8 @@ def parse_args() -> argparse.Namespace:
     args.sections = set(args.sections.split(","))
     if unknown := args.sections - set(SECTIONS):
         p.error(f"--sections: no section {', '.join(sorted(unknown))} (of {', '.join(SECTIONS)})")
+    if not 0 < args.trained_share < 1:
+        p.error(f"--trained-share {args.trained_share}: a share of each sample, in (0, 1)")
     args.default_seq_len = args.default_seq_len or args.seq_lens[0]
     if args.default_seq_len not in args.seq_lens:
         p.error(f"--default-seq-len {args.default_seq_len} is not one of --seq-lens")

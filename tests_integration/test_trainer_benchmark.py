@@ -24,7 +24,8 @@ def benchmark(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_one_model_at_a_time_joins_the_step_ratio(tiny_model, tmp_path):
-    sizes = ["--seq-lens", "128", "--tokens-per-step", "256", "--max-tokens-per-microbatch", "256"]
+    sizes = ["--seq-lens", "128", "--tokens-per-step", "256", "--max-tokens-per-microbatch", "256",
+             "--trained-share", "0.25"]  # fmt: skip
     steps = ["--entropy-coefs", "0", "--warmup", "1", "--steps", "2"]
     where = ["--model", tiny_model, "--cpu", "--resident", "one", "--out", str(tmp_path)]
     out = benchmark(*where, "--sections", "main", *sizes, *steps)
@@ -43,8 +44,11 @@ def test_one_model_at_a_time_joins_the_step_ratio(tiny_model, tmp_path):
     assert {"rl-fwd", "bare-fwd"} <= set(rows)  # each phase's forward-only pass
 
 
-def test_a_section_it_does_not_offer_is_refused_at_once(tiny_model):
+def test_a_request_it_cannot_serve_is_refused_at_once(tiny_model):
     out = benchmark("--model", tiny_model, "--cpu", "--resident", "one", "--sections", "main,flex")
     assert out.returncode == 2
     assert "--sections" in out.stderr and "flex" in out.stderr
+    assert "Traceback" not in out.stderr and "worker built" not in out.stdout
+    out = benchmark("--model", tiny_model, "--cpu", "--trained-share", "1")
+    assert out.returncode == 2 and "--trained-share 1" in out.stderr
     assert "Traceback" not in out.stderr and "worker built" not in out.stdout

@@ -84,15 +84,16 @@ def agreement(routers: list[tuple[int, torch.nn.Module]]) -> dict[str, Tensor]:
 def replaying(routers: list, routing: Tensor | None, replay: bool = True) -> Iterator[None]:
     """Inside the block (recomputations too) every router compares its experts with its
     layer's recorded ones and, with `replay`, takes those."""
-    if routing is None:
+    if routing is None or not routers:  # a reference or critic gets the samples' routing too
         yield
         return
     from nemo_automodel.components.moe.router_replay import RouterReplayMode
 
     # Tokens the engine reported no experts for (and padding) go to experts 0..k-1: their
     # outputs reach no trained log-prob.
-    fill = torch.arange(routing.shape[-1], device=routing.device).expand_as(routing)
-    target = torch.where(routing < 0, fill, routing)
+    if replay:
+        fill = torch.arange(routing.shape[-1], device=routing.device).expand_as(routing)
+        target = torch.where(routing < 0, fill, routing)
     for layer, router in routers:
         if layer >= routing.shape[0]:
             raise ValueError(f"routing replay: no recorded routing for decoder layer {layer}")

@@ -171,7 +171,8 @@ def record_copies(model: torch.nn.Module, weights: list, staging: torch.Tensor) 
         logger.info("%s: a bucket keeps vLLM's loader: it does more than copy", BACKEND)
         return None
     logger.info("%s: a bucket loads by replaying %d copies", BACKEND, len(recorder.copies))
-    return [list(side) for side in zip(*recorder.copies, strict=True)]  # destinations, sources
+    destinations, sources = map(list, zip(*recorder.copies, strict=True))
+    return [destinations, sources]
 
 
 def loads_in_place(model: torch.nn.Module, vllm_config) -> bool:
